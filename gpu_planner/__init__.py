@@ -1,0 +1,28 @@
+"""gpu_planner: KV-transfer planning for prefill/decode disaggregated serving.
+
+Token slots -> page indices -> contiguous runs (host and device destination
+spaces) -> `(src_addr, dst_addr, length)` descriptors per KV buffer, as Triton
+kernels on the GPU that holds the indices, or a vectorised CPU backend.
+"""
+
+from gpu_planner import reference
+from gpu_planner.errors import BoundsError, PlanValidationError
+from gpu_planner.layout import BufferLayout
+from gpu_planner.pages import PageIndices, kv_to_page_indices, page_indices
+from gpu_planner.plan import TransferPlan, plan_transfer
+from gpu_planner.runs import RunList, Runs, group_runs
+
+__all__ = [
+    "BoundsError",
+    "BufferLayout",
+    "PageIndices",
+    "PlanValidationError",
+    "RunList",
+    "Runs",
+    "TransferPlan",
+    "group_runs",
+    "kv_to_page_indices",
+    "page_indices",
+    "plan_transfer",
+    "reference",
+]

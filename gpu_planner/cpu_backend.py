@@ -1,0 +1,136 @@
+"""Vectorised NumPy backend: the same pipeline as the Triton kernels, for CPU tensors."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from gpu_planner.layout import BufferLayout
+
+
+@dataclass
+class SpaceRuns:
+    """Runs of one destination page space, in page order."""
+
+    page_starts: np.ndarray  # int64: position of each run's first page in the page lists
+    src_starts: np.ndarray  # int64: first source page of each run
+    dst_starts: np.ndarray  # int64: first destination page of each run
+    lengths: np.ndarray  # int64: pages per run
+    batch_run_offsets: np.ndarray  # int64 [num_batches + 1]: first run of each batch, then total
+
+
+def batch_page_count(num_pages: int, max_batch_pages: int) -> int:
+    """Pages per batch: the cut size, or all pages when batching is off."""
+    return max_batch_pages if 0 < max_batch_pages < num_pages else max(num_pages, 1)
+
+
+def group_runs(
+    src_pages: np.ndarray, dst_pages_per_space: list[np.ndarray], max_batch_pages: int
+) -> list[SpaceRuns]:
+    """Split the page lists into runs for every destination space (they share `src_pages`)."""
+    num_pages = len(src_pages)
+    batch_pages = batch_page_count(num_pages, max_batch_pages)
+    src = src_pages.astype(np.int64, copy=False)
+    src_breaks = np.diff(src) != 1
+    batch_starts = np.arange(0, num_pages, batch_pages, dtype=np.int64)
+    cuts = np.zeros(max(num_pages - 1, 0), dtype=bool)
+    cuts[batch_starts[1:] - 1] = True
+    spaces = []
+    for dst_pages in dst_pages_per_space:
+        dst = dst_pages.astype(np.int64, copy=False)
+        if num_pages == 0:
+            empty = np.zeros(0, dtype=np.int64)
+            spaces.append(SpaceRuns(empty, empty, empty, empty, np.zeros(1, dtype=np.int64)))
+            continue
+        breaks = src_breaks | (np.diff(dst) != 1) | cuts
+        page_starts = np.concatenate(([0], np.flatnonzero(breaks) + 1)).astype(np.int64)
+        lengths = np.diff(page_starts, append=num_pages)
+        batch_run_offsets = np.searchsorted(page_starts, batch_starts)
+        spaces.append(
+            SpaceRuns(
+                page_starts=page_starts,
+                src_starts=src[page_starts],
+                dst_starts=dst[page_starts],
+                lengths=lengths,
+                batch_run_offsets=np.append(batch_run_offsets, len(page_starts)),
+            )
+        )
+    return spaces
+
+
+def descriptor_batch_offsets(
+    layout: BufferLayout, batch_run_offsets: list[np.ndarray]
+) -> np.ndarray:
+    """Descriptor offset of each batch (then the total): every buffer adds its space's runs."""
+    offsets = layout.num_host_buffers * batch_run_offsets[0]
+    if layout.num_device_buffers:
+        offsets = offsets + layout.num_device_buffers * batch_run_offsets[1]
+    return offsets
+
+
+def expand_descriptors(
+    layout: BufferLayout, spaces: list[SpaceRuns], max_batch_pages: int
+) -> np.ndarray:
+    """Descriptors [N, 3] (src_addr, dst_addr, length), batch-major, buffer-major, page order."""
+    batch_offsets = descriptor_batch_offsets(layout, [s.batch_run_offsets for s in spaces])
+    descriptors = np.empty((int(batch_offsets[-1]), 3), dtype=np.int64)
+    if not len(descriptors):
+        return descriptors
+    num_pages = int(spaces[0].page_starts[-1] + spaces[0].lengths[-1])
+    batch_pages = batch_page_count(num_pages, max_batch_pages)
+    runs_per_batch = [np.diff(space.batch_run_offsets) for space in spaces]
+    for space_id, space in enumerate(spaces):
+        buffers = np.flatnonzero(layout.space == space_id)
+        if not buffers.size:
+            continue
+        run_batch = space.page_starts // batch_pages
+        run_in_batch = np.arange(len(space.page_starts)) - space.batch_run_offsets[run_batch]
+        first_slot = batch_offsets[run_batch] + run_in_batch
+        slots = first_slot + np.outer(layout.host_before[buffers], runs_per_batch[0][run_batch])
+        if len(spaces) > 1:
+            slots += np.outer(layout.device_before[buffers], runs_per_batch[1][run_batch])
+        item_lens = layout.item_lens[buffers, None]
+        values = np.empty(slots.shape + (3,), dtype=np.int64)
+        values[..., 0] = layout.src_ptrs[buffers, None] + space.src_starts * item_lens
+        values[..., 1] = layout.dst_ptrs[buffers, None] + space.dst_starts * item_lens
+        values[..., 2] = space.lengths * item_lens
+        descriptors[slots.ravel()] = values.reshape(-1, 3)
+    return descriptors
+
+
+def first_bounds_violation(
+    layout: BufferLayout, spaces: list[SpaceRuns]
+) -> tuple[int, str, int, int] | None:
+    """First (buffer, side, page_start, num_pages) reaching past a registered length.
+
+    Order: buffer in layout order, then run in page order, destination side
+    first: the order the Triton kernel's atomic-min key encodes.
+    """
+    if not layout.has_bounds:
+        return None
+    limits = {"dst": layout.bound_limits("dst"), "src": layout.bound_limits("src")}
+    first_buffer = None
+    for space_id, space in enumerate(spaces):
+        buffers = np.flatnonzero(layout.space == space_id)
+        if not buffers.size or not space.lengths.size:
+            continue
+        items = layout.item_lens[buffers]
+        bad = np.zeros(buffers.size, dtype=bool)
+        for side, starts in (("dst", space.dst_starts), ("src", space.src_starts)):
+            bad |= int((starts + space.lengths).max()) * items > limits[side][buffers]
+        if bad.any():
+            candidate = int(buffers[bad][0])
+            first_buffer = candidate if first_buffer is None else min(first_buffer, candidate)
+    if first_buffer is None:
+        return None
+    space = spaces[int(layout.space[first_buffer])]
+    item_len = int(layout.item_lens[first_buffer])
+    over = {
+        side: (starts + space.lengths) * item_len > limits[side][first_buffer]
+        for side, starts in (("dst", space.dst_starts), ("src", space.src_starts))
+    }
+    run = int(np.flatnonzero(over["dst"] | over["src"])[0])
+    side = "dst" if over["dst"][run] else "src"
+    starts = space.dst_starts if side == "dst" else space.src_starts
+    return first_buffer, side, int(starts[run]), int(space.lengths[run])

@@ -1,0 +1,214 @@
+"""plan_transfer: page lists + buffer layout -> batch-major transfer descriptors."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import numpy as np
+import torch
+
+from gpu_planner import cpu_backend
+from gpu_planner.errors import PlanValidationError
+from gpu_planner.inputs import (
+    Backend,
+    IndexLike,
+    check_max_batch_pages,
+    check_no_negative_pages,
+    collect_pages,
+    raise_recorded_negative_page,
+    resolve_backend,
+)
+from gpu_planner.layout import BufferLayout
+from gpu_planner.staging import copy_to_host
+
+Descriptors = tuple[list[int], list[int], list[int]]
+
+
+class TransferPlan:
+    """Descriptors for one request: `(src_addr, dst_addr, length)` rows, batch-major.
+
+    On CUDA the plan is built by kernels and stays on the device until it is
+    first read; that read (`materialize`) fetches the status and counts once,
+    raises any error the kernels recorded, and copies exactly the descriptors
+    into pinned host memory.
+    """
+
+    def __init__(self, layout: BufferLayout, num_batches: int) -> None:
+        self.layout = layout
+        self.num_batches = num_batches
+        self._device_state: tuple | None = None
+        self._descriptors: torch.Tensor | None = None
+        self._batch_offsets: np.ndarray | None = None
+        self._runs_per_batch: np.ndarray | None = None
+
+    def _set_host_result(
+        self, descriptors: torch.Tensor, batch_run_offsets: list[np.ndarray]
+    ) -> None:
+        self._descriptors = descriptors
+        self._batch_offsets = cpu_backend.descriptor_batch_offsets(self.layout, batch_run_offsets)
+        self._runs_per_batch = np.diff(np.stack(batch_run_offsets), axis=1)
+
+    def materialize(self) -> TransferPlan:
+        """Bring the descriptors to the host (no-op when already there); raise recorded errors."""
+        if self._descriptors is not None:
+            return self
+        from gpu_planner.kernels.status import NUM_SLOTS
+
+        device_descriptors, device_runs, status = self._device_state
+        metadata = copy_to_host(torch.cat([status, device_runs.batch_run_offsets.flatten()]))
+        metadata = metadata.numpy()
+        self._raise_recorded_error(metadata[:NUM_SLOTS], device_runs)
+        batch_run_offsets = list(metadata[NUM_SLOTS:].reshape(device_runs.num_spaces, -1))
+        total = int(cpu_backend.descriptor_batch_offsets(self.layout, batch_run_offsets)[-1])
+        self._set_host_result(copy_to_host(device_descriptors[:total]), batch_run_offsets)
+        self._device_state = None
+        return self
+
+    def _raise_recorded_error(self, status: np.ndarray, device_runs) -> None:
+        from gpu_planner.kernels.status import NO_ERROR, OUT_OF_BOUNDS
+
+        raise_recorded_negative_page(status)
+        if status[OUT_OF_BOUNDS] != NO_ERROR:
+            key, side_bit = divmod(int(status[OUT_OF_BOUNDS]), 2)
+            buffer, run = divmod(key, device_runs.capacity)
+            space = int(self.layout.space[buffer])
+            side = "src" if side_bit else "dst"
+            starts = device_runs.src_starts if side_bit else device_runs.dst_starts
+            page_start = int(starts[space, run])
+            num_pages = int(device_runs.page_ends[space, run] - device_runs.page_starts[space, run])
+            raise self.layout.bounds_error(buffer, side, page_start, num_pages)
+
+    @property
+    def descriptors(self) -> torch.Tensor:
+        """int64 [num_descriptors, 3]: src_addr, dst_addr, length per row (host memory)."""
+        return self.materialize()._descriptors
+
+    @property
+    def src_addrs(self) -> torch.Tensor:
+        return self.descriptors[:, 0]
+
+    @property
+    def dst_addrs(self) -> torch.Tensor:
+        return self.descriptors[:, 1]
+
+    @property
+    def lengths(self) -> torch.Tensor:
+        return self.descriptors[:, 2]
+
+    @property
+    def batch_offsets(self) -> torch.Tensor:
+        """int64 [num_batches + 1]: first descriptor of each batch, then the total."""
+        return torch.from_numpy(self.materialize()._batch_offsets)
+
+    @property
+    def num_descriptors(self) -> int:
+        return int(self.materialize()._batch_offsets[-1])
+
+    @property
+    def total_bytes(self) -> int:
+        return int(self.lengths.sum())
+
+    def batches(self) -> Iterator[Descriptors]:
+        """One (srcs, dsts, lens) list triple per batch that has descriptors: one Mooncake call each."""
+        rows = self.descriptors.numpy()
+        offsets = self._batch_offsets.tolist()
+        for start, end in zip(offsets[:-1], offsets[1:]):
+            if end > start:
+                srcs, dsts, lens = rows[start:end].T.tolist()
+                yield srcs, dsts, lens
+
+    def buffer_batches(self) -> Iterator[tuple[int, list[int], list[int], list[int]]]:
+        """(buffer, srcs, dsts, lens) per batch and buffer with descriptors, in plan order."""
+        rows = self.descriptors.numpy()
+        layout = self.layout
+        runs_per_batch = self._runs_per_batch
+        for batch, batch_start in enumerate(self._batch_offsets[:-1].tolist()):
+            host_runs = int(runs_per_batch[0][batch])
+            device_runs = int(runs_per_batch[-1][batch])
+            for buffer in range(layout.num_buffers):
+                count = device_runs if layout.dst_is_device[buffer] else host_runs
+                if not count:
+                    continue
+                start = (
+                    batch_start
+                    + int(layout.host_before[buffer]) * host_runs
+                    + int(layout.device_before[buffer]) * device_runs
+                )
+                srcs, dsts, lens = rows[start : start + count].T.tolist()
+                yield buffer, srcs, dsts, lens
+
+
+def plan_transfer(
+    src_pages: IndexLike,
+    dst_pages: IndexLike,
+    layout: BufferLayout,
+    dst_device_pages: IndexLike | None = None,
+    max_batch_pages: int = 0,
+    backend: Backend | None = None,
+) -> TransferPlan:
+    """Plan every buffer's descriptors for one request's page lists.
+
+    Buffers with `layout.dst_is_device` use `dst_device_pages`, the others
+    `dst_pages`. With `max_batch_pages > 0` the pages are cut into batches of
+    that many pages (one Mooncake call each); runs never cross a cut.
+    """
+    pages, device = collect_pages(src_pages, dst_pages, dst_device_pages)
+    check_max_batch_pages(max_batch_pages)
+    first_device_buffer = layout.first_device_buffer()
+    if first_device_buffer is not None and dst_device_pages is None:
+        raise PlanValidationError(
+            f"dst_device_pages: buffer {first_device_buffer} is device-backed "
+            f"(dst_is_device[{first_device_buffer}]) but no device-space pages were given"
+        )
+    if not layout.num_device_buffers:
+        pages.pop("dst_device_pages", None)
+    num_pages = pages["src_pages"].numel()
+    batch_pages = cpu_backend.batch_page_count(num_pages, max_batch_pages)
+    plan = TransferPlan(layout, num_batches=-(-num_pages // batch_pages))
+    if resolve_backend(backend, device) == "cpu":
+        _plan_on_cpu(plan, pages, max_batch_pages)
+    else:
+        _plan_with_kernels(plan, pages, batch_pages)
+        if device.type != "cuda":
+            plan.materialize()
+    return plan
+
+
+def _plan_on_cpu(plan: TransferPlan, pages: dict[str, torch.Tensor], max_batch_pages: int) -> None:
+    arrays = {name: values.cpu().numpy() for name, values in pages.items()}
+    check_no_negative_pages(arrays)
+    dst_spaces = [arrays["dst_pages"]]
+    if "dst_device_pages" in arrays:
+        dst_spaces.append(arrays["dst_device_pages"])
+    spaces = cpu_backend.group_runs(arrays["src_pages"], dst_spaces, max_batch_pages)
+    violation = cpu_backend.first_bounds_violation(plan.layout, spaces)
+    if violation is not None:
+        raise plan.layout.bounds_error(*violation)
+    descriptors = cpu_backend.expand_descriptors(plan.layout, spaces, max_batch_pages)
+    plan._set_host_result(
+        torch.from_numpy(descriptors), [space.batch_run_offsets for space in spaces]
+    )
+
+
+def _plan_with_kernels(
+    plan: TransferPlan, pages: dict[str, torch.Tensor], batch_pages: int
+) -> None:
+    from gpu_planner.kernels.expand_descriptors import launch_expand_descriptors
+    from gpu_planner.kernels.run_scan import launch_group_runs
+    from gpu_planner.kernels.status import new_status
+
+    device = pages["src_pages"].device
+    status = new_status(device)
+    runs = launch_group_runs(
+        pages["src_pages"], pages["dst_pages"], pages.get("dst_device_pages"), batch_pages, status
+    )
+    layout = plan.layout
+    descriptors = launch_expand_descriptors(
+        layout.tables(device),
+        layout.num_host_buffers,
+        layout.num_device_buffers,
+        runs,
+        status,
+        check_bounds=layout.has_bounds,
+    )
+    plan._device_state = (descriptors, runs, status)

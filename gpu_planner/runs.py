@@ -1,0 +1,107 @@
+"""group_runs: contiguous runs of (src, dst) page pairs for the host and device spaces."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from gpu_planner import cpu_backend
+from gpu_planner.inputs import (
+    Backend,
+    IndexLike,
+    check_max_batch_pages,
+    check_no_negative_pages,
+    collect_pages,
+    raise_recorded_negative_page,
+    resolve_backend,
+)
+from gpu_planner.staging import copy_to_host
+
+
+@dataclass
+class RunList:
+    """Runs of one destination space, in page order (int64 tensors on the input's device)."""
+
+    src_starts: torch.Tensor
+    dst_starts: torch.Tensor
+    lengths: torch.Tensor
+    batch_run_offsets: torch.Tensor  # [num_batches + 1]: first run of each batch, then the count
+
+    def __len__(self) -> int:
+        return self.lengths.numel()
+
+
+@dataclass
+class Runs:
+    """Run plans for the host space and, when device pages were given, the device space."""
+
+    host: RunList
+    device: RunList | None
+    num_batches: int
+
+
+def group_runs(
+    src_pages: IndexLike,
+    dst_pages: IndexLike,
+    dst_device_pages: IndexLike | None = None,
+    max_batch_pages: int = 0,
+    backend: Backend | None = None,
+) -> Runs:
+    """Maximal runs where src and dst both step by +1, never crossing a batch cut.
+
+    This reads the run counts back to the host to return exact tensors; the
+    planner itself (`plan_transfer`) keeps them on the device.
+    """
+    pages, device = collect_pages(src_pages, dst_pages, dst_device_pages)
+    check_max_batch_pages(max_batch_pages)
+    num_pages = pages["src_pages"].numel()
+    batch_pages = cpu_backend.batch_page_count(num_pages, max_batch_pages)
+    num_batches = -(-num_pages // batch_pages)
+    if resolve_backend(backend, device) == "cpu":
+        arrays = {name: values.cpu().numpy() for name, values in pages.items()}
+        check_no_negative_pages(arrays)
+        spaces = cpu_backend.group_runs(
+            arrays["src_pages"], list(arrays.values())[1:], max_batch_pages
+        )
+        run_lists = [_run_list_from_host(space, device) for space in spaces]
+    else:
+        run_lists = _group_runs_with_kernels(pages, batch_pages)
+    return Runs(
+        host=run_lists[0],
+        device=run_lists[1] if len(run_lists) > 1 else None,
+        num_batches=num_batches,
+    )
+
+
+def _run_list_from_host(space: cpu_backend.SpaceRuns, device: torch.device) -> RunList:
+    return RunList(
+        *(
+            torch.from_numpy(np.ascontiguousarray(values)).to(device)
+            for values in (space.src_starts, space.dst_starts, space.lengths)
+        ),
+        batch_run_offsets=torch.from_numpy(space.batch_run_offsets).to(device),
+    )
+
+
+def _group_runs_with_kernels(pages: dict[str, torch.Tensor], batch_pages: int) -> list[RunList]:
+    from gpu_planner.kernels.run_scan import launch_group_runs
+    from gpu_planner.kernels.status import NUM_SLOTS, new_status
+
+    status = new_status(pages["src_pages"].device)
+    runs = launch_group_runs(
+        pages["src_pages"], pages["dst_pages"], pages.get("dst_device_pages"), batch_pages, status
+    )
+    metadata = copy_to_host(torch.cat([status, runs.batch_run_offsets.flatten()])).numpy()
+    raise_recorded_negative_page(metadata[:NUM_SLOTS])
+    run_counts = metadata[NUM_SLOTS:].reshape(runs.num_spaces, -1)[:, -1]
+    return [
+        RunList(
+            src_starts=runs.src_starts[space, :count],
+            dst_starts=runs.dst_starts[space, :count],
+            lengths=runs.page_ends[space, :count] - runs.page_starts[space, :count],
+            batch_run_offsets=runs.batch_run_offsets[space],
+        )
+        for space, count in enumerate(run_counts.tolist())
+    ]

@@ -1,0 +1,304 @@
+"""Contiguous-run grouping for the host and device destination spaces in one pass.
+
+A page starts a run when it starts a batch or when src or dst is not the
+previous page + 1. Runs are numbered with a multi-block prefix scan: count
+flags per block, scan the block counts, then scatter each run's start, end
+and first pages. Counts stay on the device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from gpu_planner.kernels.status import NEGATIVE_DEVICE_DST, NEGATIVE_DST, NEGATIVE_SRC
+
+BLOCK_PAGES = 1024
+BLOCK_SCAN = 1024
+
+
+@triton.jit
+def _load_pages(pages_ptr, stride, page, mask):
+    return tl.load(pages_ptr + page.to(tl.int64) * stride, mask=mask, other=0).to(tl.int64)
+
+
+@triton.jit
+def _run_start_flags(src, prev_src, dst_ptr, dst_stride, page, page_in_range, batch_pages):
+    """(starts a run, dst page) for each page, given its source page and the previous one."""
+    dst = _load_pages(dst_ptr, dst_stride, page, page_in_range)
+    prev_dst = _load_pages(dst_ptr, dst_stride, page - 1, page_in_range & (page > 0))
+    continues = (src == prev_src + 1) & (dst == prev_dst + 1) & (page % batch_pages != 0)
+    return page_in_range & ~continues, dst
+
+
+@triton.jit
+def _record_first_negative(status_slot_ptr, pages, page, page_in_range):
+    negative_at = tl.where(page_in_range & (pages < 0), page.to(tl.int64), 9223372036854775807)
+    tl.atomic_min(status_slot_ptr, tl.min(negative_at, axis=0))
+
+
+@triton.jit
+def _count_runs_kernel(
+    src_ptr,
+    src_stride,
+    host_dst_ptr,
+    host_dst_stride,
+    device_dst_ptr,
+    device_dst_stride,
+    block_counts_ptr,
+    status_ptr,
+    num_pages,
+    num_blocks,
+    batch_pages,
+    HAS_DEVICE: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    block = tl.program_id(0)
+    page = block * BLOCK + tl.arange(0, BLOCK)
+    page_in_range = page < num_pages
+    src = _load_pages(src_ptr, src_stride, page, page_in_range)
+    prev_src = _load_pages(src_ptr, src_stride, page - 1, page_in_range & (page > 0))
+    _record_first_negative(status_ptr + NEGATIVE_SRC, src, page, page_in_range)
+
+    host_starts, host_dst = _run_start_flags(
+        src, prev_src, host_dst_ptr, host_dst_stride, page, page_in_range, batch_pages
+    )
+    tl.store(block_counts_ptr + block, tl.sum(host_starts.to(tl.int64), axis=0))
+    _record_first_negative(status_ptr + NEGATIVE_DST, host_dst, page, page_in_range)
+    if HAS_DEVICE:
+        device_starts, device_dst = _run_start_flags(
+            src, prev_src, device_dst_ptr, device_dst_stride, page, page_in_range, batch_pages
+        )
+        tl.store(block_counts_ptr + num_blocks + block, tl.sum(device_starts.to(tl.int64), axis=0))
+        _record_first_negative(status_ptr + NEGATIVE_DEVICE_DST, device_dst, page, page_in_range)
+
+
+@triton.jit
+def _scan_block_counts_kernel(
+    block_counts_ptr,
+    block_offsets_ptr,
+    batch_run_offsets_ptr,
+    num_blocks,
+    num_batches,
+    BLOCK: tl.constexpr,
+):
+    """One program per space: exclusive scan of the block counts; the total closes the batch table."""
+    space = tl.program_id(0)
+    counts_ptr = block_counts_ptr + space * num_blocks
+    offsets_ptr = block_offsets_ptr + space * num_blocks
+    runs_before = tl.sum(tl.zeros([BLOCK], dtype=tl.int64), axis=0)
+    for chunk_start in range(0, num_blocks, BLOCK):
+        block = chunk_start + tl.arange(0, BLOCK)
+        block_in_range = block < num_blocks
+        counts = tl.load(counts_ptr + block, mask=block_in_range, other=0)
+        inclusive = tl.cumsum(counts, axis=0)
+        tl.store(offsets_ptr + block, runs_before + inclusive - counts, mask=block_in_range)
+        runs_before += tl.sum(counts, axis=0)
+    tl.store(batch_run_offsets_ptr + space * (num_batches + 1) + num_batches, runs_before)
+
+
+@triton.jit
+def _scatter_space_runs(
+    src,
+    prev_src,
+    next_src,
+    dst_ptr,
+    dst_stride,
+    page,
+    page_in_range,
+    num_pages,
+    batch_pages,
+    first_run,
+    page_starts_ptr,
+    page_ends_ptr,
+    src_starts_ptr,
+    dst_starts_ptr,
+    batch_run_offsets_ptr,
+):
+    starts, dst = _run_start_flags(
+        src, prev_src, dst_ptr, dst_stride, page, page_in_range, batch_pages
+    )
+    next_page = page + 1
+    next_starts, _ = _run_start_flags(
+        next_src, src, dst_ptr, dst_stride, next_page, next_page < num_pages, batch_pages
+    )
+    ends = page_in_range & ((next_page == num_pages) | next_starts)
+    run = first_run + tl.cumsum(starts.to(tl.int64), axis=0) - 1
+    tl.store(page_starts_ptr + run, page.to(tl.int64), mask=starts)
+    tl.store(src_starts_ptr + run, src, mask=starts)
+    tl.store(dst_starts_ptr + run, dst, mask=starts)
+    tl.store(page_ends_ptr + run, next_page.to(tl.int64), mask=ends)
+    starts_batch = page_in_range & (page % batch_pages == 0)
+    tl.store(batch_run_offsets_ptr + page // batch_pages, run, mask=starts_batch)
+
+
+@triton.jit
+def _scatter_runs_kernel(
+    src_ptr,
+    src_stride,
+    host_dst_ptr,
+    host_dst_stride,
+    device_dst_ptr,
+    device_dst_stride,
+    block_offsets_ptr,
+    page_starts_ptr,
+    page_ends_ptr,
+    src_starts_ptr,
+    dst_starts_ptr,
+    batch_run_offsets_ptr,
+    num_pages,
+    num_blocks,
+    capacity,
+    num_batches,
+    batch_pages,
+    HAS_DEVICE: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    block = tl.program_id(0)
+    page = block * BLOCK + tl.arange(0, BLOCK)
+    page_in_range = page < num_pages
+    src = _load_pages(src_ptr, src_stride, page, page_in_range)
+    prev_src = _load_pages(src_ptr, src_stride, page - 1, page_in_range & (page > 0))
+    next_src = _load_pages(src_ptr, src_stride, page + 1, page + 1 < num_pages)
+    _scatter_space_runs(
+        src,
+        prev_src,
+        next_src,
+        host_dst_ptr,
+        host_dst_stride,
+        page,
+        page_in_range,
+        num_pages,
+        batch_pages,
+        tl.load(block_offsets_ptr + block),
+        page_starts_ptr,
+        page_ends_ptr,
+        src_starts_ptr,
+        dst_starts_ptr,
+        batch_run_offsets_ptr,
+    )
+    if HAS_DEVICE:
+        _scatter_space_runs(
+            src,
+            prev_src,
+            next_src,
+            device_dst_ptr,
+            device_dst_stride,
+            page,
+            page_in_range,
+            num_pages,
+            batch_pages,
+            tl.load(block_offsets_ptr + num_blocks + block),
+            page_starts_ptr + capacity,
+            page_ends_ptr + capacity,
+            src_starts_ptr + capacity,
+            dst_starts_ptr + capacity,
+            batch_run_offsets_ptr + num_batches + 1,
+        )
+
+
+@dataclass
+class DeviceRuns:
+    """Runs of both destination spaces, padded to `capacity`; row 0 host, row 1 device."""
+
+    page_starts: torch.Tensor  # int64 [spaces, capacity]
+    page_ends: torch.Tensor  # int64 [spaces, capacity]
+    src_starts: torch.Tensor  # int64 [spaces, capacity]
+    dst_starts: torch.Tensor  # int64 [spaces, capacity]
+    batch_run_offsets: torch.Tensor  # int64 [spaces, num_batches + 1], last = run count
+    num_pages: int
+    num_batches: int
+    batch_pages: int
+
+    @property
+    def capacity(self) -> int:
+        return self.page_starts.shape[1]
+
+    @property
+    def num_spaces(self) -> int:
+        return self.page_starts.shape[0]
+
+
+def _int64_rows(rows: int, columns: int, device: torch.device) -> torch.Tensor:
+    return torch.empty((rows, columns), dtype=torch.int64, device=device)
+
+
+def launch_group_runs(
+    src_pages: torch.Tensor,
+    host_dst_pages: torch.Tensor,
+    device_dst_pages: torch.Tensor | None,
+    batch_pages: int,
+    status: torch.Tensor,
+) -> DeviceRuns:
+    """Group runs for one or two destination spaces with three launches and no host read."""
+    num_pages = src_pages.numel()
+    num_spaces = 1 if device_dst_pages is None else 2
+    num_batches = triton.cdiv(num_pages, batch_pages)
+    device = src_pages.device
+    capacity = max(num_pages, 1)
+
+    runs = DeviceRuns(
+        page_starts=_int64_rows(num_spaces, capacity, device),
+        page_ends=_int64_rows(num_spaces, capacity, device),
+        src_starts=_int64_rows(num_spaces, capacity, device),
+        dst_starts=_int64_rows(num_spaces, capacity, device),
+        batch_run_offsets=torch.zeros(
+            (num_spaces, num_batches + 1), dtype=torch.int64, device=device
+        ),
+        num_pages=num_pages,
+        num_batches=num_batches,
+        batch_pages=batch_pages,
+    )
+    if num_pages == 0:
+        return runs
+    num_blocks = triton.cdiv(num_pages, BLOCK_PAGES)
+    block_counts = _int64_rows(num_spaces, num_blocks, device)
+    block_offsets = _int64_rows(num_spaces, num_blocks, device)
+    device_dst = host_dst_pages if device_dst_pages is None else device_dst_pages
+    page_args = (
+        src_pages,
+        src_pages.stride(0),
+        host_dst_pages,
+        host_dst_pages.stride(0),
+        device_dst,
+        device_dst.stride(0),
+    )
+    has_device = device_dst_pages is not None
+    _count_runs_kernel[(num_blocks,)](
+        *page_args,
+        block_counts,
+        status,
+        num_pages,
+        num_blocks,
+        batch_pages,
+        HAS_DEVICE=has_device,
+        BLOCK=BLOCK_PAGES,
+    )
+    _scan_block_counts_kernel[(num_spaces,)](
+        block_counts,
+        block_offsets,
+        runs.batch_run_offsets,
+        num_blocks,
+        num_batches,
+        BLOCK=BLOCK_SCAN,
+    )
+    _scatter_runs_kernel[(num_blocks,)](
+        *page_args,
+        block_offsets,
+        runs.page_starts,
+        runs.page_ends,
+        runs.src_starts,
+        runs.dst_starts,
+        runs.batch_run_offsets,
+        num_pages,
+        num_blocks,
+        capacity,
+        num_batches,
+        batch_pages,
+        HAS_DEVICE=has_device,
+        BLOCK=BLOCK_PAGES,
+    )
+    return runs
