@@ -1,0 +1,83 @@
+"""Smoke test of the benchmark: a tiny sweep writes its outputs, and all planners agree.
+
+No timing is asserted: speed is what the benchmark reports, not what tests check.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import numpy as np
+import pytest
+
+from bench.cases import quick_cases
+from bench.harness import RepeatPolicy
+from bench.inputs import fragmented_pages, make_input
+from bench.planners import ReferenceLoopPlanner, make_planners
+from bench.progress import ProgressBar
+from bench.run import main, run_case
+
+TINY_POLICY = RepeatPolicy(budget_s=0.0, min_repeats=1, max_repeats=1)
+
+
+class _DropLastDescriptor(ReferenceLoopPlanner):
+    """A deliberately wrong planner: the run must notice that it disagrees."""
+
+    name = "wrong"
+
+    def hand_off(self):
+        batches = super().hand_off()
+        srcs, dsts, lens = batches[-1]
+        return [*batches[:-1], (srcs[:-1], dsts[:-1], lens[:-1])]
+
+
+def test_quick_sweep_writes_json_and_png(tmp_path):
+    status = main(["--quick", "--out", str(tmp_path), "--budget", "0", "--min-repeats", "1"])
+
+    assert status == 0
+    document = json.loads((tmp_path / "gpu_planner_bench.json").read_text())
+    assert len(document["cases"]) == len(quick_cases())
+    assert document["machine"]["versions"]["numpy"] == np.__version__
+    for result in document["cases"]:
+        assert result["descriptors_identical"], result["label"]
+        assert result["num_descriptors"] > 0
+        assert "gpu_planner-cpu" in result["planners"]
+        for figures in result["planners"].values():
+            assert figures["plan"]["median"] > 0
+            assert figures["hand_off"]["median"] > 0
+    png = (tmp_path / "gpu_planner_bench.png").read_bytes()
+    assert png.startswith(b"\x89PNG\r\n\x1a\n")
+
+
+@pytest.mark.parametrize("case", quick_cases(), ids=lambda case: case.label)
+def test_every_planner_hands_off_the_same_descriptors(case):
+    planners = [*make_planners("auto", with_cuda=False), ReferenceLoopPlanner()]
+    bench_input = make_input(case, seed=7)
+    hand_offs = []
+    for planner in planners:
+        planner.prepare(bench_input)
+        hand_offs.append([tuple(map(list, batch)) for batch in planner.hand_off()])
+
+    assert sum(len(srcs) for srcs, _, _ in hand_offs[0]) > 0
+    for planner, hand_off in zip(planners[1:], hand_offs[1:], strict=True):
+        assert hand_off == hand_offs[0], f"{planner.name} disagrees with {planners[0].name}"
+
+
+def test_run_case_flags_a_planner_that_disagrees():
+    case = dataclasses.replace(quick_cases()[0], tokens=512)
+    planners = [*make_planners("loop", with_cuda=False), _DropLastDescriptor()]
+
+    result = run_case(case, planners, TINY_POLICY, seed=0, progress=ProgressBar(1))
+
+    assert not result["descriptors_identical"]
+
+
+@pytest.mark.parametrize("mean_run", [1.0, 3.0, 16.0])
+def test_fragmented_pages_are_unique_runs_of_the_requested_mean(mean_run):
+    pages = fragmented_pages(20_000, mean_run, np.random.default_rng(3))
+
+    assert len(np.unique(pages)) == len(pages) == 20_000
+    num_runs = int(np.count_nonzero(np.diff(pages) != 1)) + 1
+    assert len(pages) / num_runs == pytest.approx(mean_run, rel=0.15)
+    assert np.array_equal(pages, fragmented_pages(20_000, mean_run, np.random.default_rng(3)))

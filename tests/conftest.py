@@ -1,0 +1,52 @@
+"""Backend matrix for the tests.
+
+Without CUDA the Triton kernels run under the interpreter (TRITON_INTERPRET=1,
+set here before triton is imported). On a GPU machine run the suite once as
+is (kernels on CUDA) and once with TRITON_INTERPRET=1 (the interpreter twins).
+"""
+
+import os
+
+import torch
+
+if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest  # noqa: E402
+from hypothesis import HealthCheck, settings  # noqa: E402
+
+from gpu_planner.kernels import interpreter_enabled  # noqa: E402
+
+settings.register_profile(
+    "ci",
+    deadline=None,
+    max_examples=40,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+settings.load_profile("ci")
+
+ON_CUDA = torch.cuda.is_available() and not interpreter_enabled()
+
+
+def _backend_params() -> list:
+    triton_cpu = pytest.param(
+        ("triton", "cpu"),
+        id="triton-interpreter",
+        marks=pytest.mark.skipif(
+            not interpreter_enabled(), reason="Triton interpreter off (CUDA twin runs)"
+        ),
+    )
+    triton_cuda = pytest.param(
+        ("triton", "cuda"),
+        id="triton-cuda",
+        marks=pytest.mark.skipif(
+            not ON_CUDA, reason="no CUDA device (the triton-interpreter twin runs)"
+        ),
+    )
+    return [pytest.param(("cpu", "cpu"), id="cpu"), triton_cpu, triton_cuda]
+
+
+@pytest.fixture(scope="session", params=_backend_params())
+def backend_device(request) -> tuple[str, torch.device]:
+    backend, device = request.param
+    return backend, torch.device(device)
