@@ -1,0 +1,1 @@
+"""gpu_planner integrations: Mooncake send loop, metadata frames, sglang plugin, demo."""
