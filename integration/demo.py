@@ -32,6 +32,7 @@ import zmq
 from gpu_planner.integration.demo_buffers import (
     DECODE_SIDE,
     PREFILL_SIDE,
+    WORD_BYTES,
     KVBuffer,
     Verification,
     fragmented_pages,
@@ -81,6 +82,8 @@ class DemoConfig:
         for name in ("tokens", "max_batch_pages", "buffer_workers"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}: must be >= 0, got {getattr(self, name)}")
+        if self.item_len % WORD_BYTES:
+            raise ValueError(f"item_len: must be a multiple of {WORD_BYTES}, got {self.item_len}")
         if not 0.0 <= self.device_fraction <= 1.0:
             raise ValueError(f"device_fraction: must be in [0, 1], got {self.device_fraction}")
         for name in ("host_pool_factor", "device_pool_factor", "mean_run"):

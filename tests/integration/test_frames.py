@@ -1,0 +1,129 @@
+"""Decode-side metadata frames: round trips, and sglang 0.5.23's own parsers accept them."""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pytest
+from gpu_planner.integration.frames import KVRegistration, TransferRequest
+from hypothesis import given
+from hypothesis import strategies as st
+
+page_arrays = st.lists(st.integers(0, 2**31 - 1), max_size=64).map(
+    lambda pages: np.array(pages, dtype=np.int64)
+)
+
+
+def _sglang_conn():
+    """sglang's Mooncake connector module (the real package)."""
+    # TEMPORARY: skip while sglang is not installed in every environment; CI installs it.
+    pytest.importorskip("sglang")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # no GPU quantization kernels on this machine
+        from sglang.srt.disaggregation.mooncake import conn
+    return conn
+
+
+def _request(host_pages: np.ndarray, device_pages: np.ndarray | None) -> TransferRequest:
+    return TransferRequest(
+        room=2**40 + 3,
+        endpoint="127.0.0.1",
+        port=17001,
+        session_id="127.0.0.1:15123",
+        host_pages=host_pages,
+        device_pages=device_pages,
+        aux_index=5,
+        required_dst_info_num=2,
+        decode_prefix_len=128,
+    )
+
+
+@given(host=page_arrays, device=page_arrays, with_device=st.booleans())
+def test_transfer_request_round_trip(host, device, with_device):
+    device = np.resize(device, host.size) if with_device else None
+    parsed = TransferRequest.from_frames(_request(host, device).to_frames())
+    np.testing.assert_array_equal(parsed.host_pages, host)
+    if with_device or not host.size:
+        np.testing.assert_array_equal(parsed.device_pages, device if with_device else [])
+    else:
+        assert parsed.device_pages is None
+    assert (parsed.room, parsed.port, parsed.aux_index) == (2**40 + 3, 17001, 5)
+    assert (parsed.required_dst_info_num, parsed.decode_prefix_len) == (2, 128)
+
+
+@pytest.mark.parametrize("with_device", [True, False], ids=["hisparse", "host-only"])
+@pytest.mark.parametrize("num_pages", [0, 1, 37])
+def test_sglang_transfer_info_accepts_the_frames(num_pages, with_device):
+    conn = _sglang_conn()
+    rng = np.random.default_rng(num_pages)
+    host = rng.permutation(1000)[:num_pages]
+    device = rng.permutation(500)[:num_pages] if with_device else None
+    info = conn.TransferInfo.from_zmq(_request(host, device).to_frames())
+    assert not info.is_dummy
+    assert (info.room, info.endpoint, info.dst_port) == (2**40 + 3, "127.0.0.1", 17001)
+    assert info.mooncake_session_id == "127.0.0.1:15123"
+    assert info.dst_kv_indices.dtype == np.int32
+    np.testing.assert_array_equal(info.dst_kv_indices, host)
+    assert (info.dst_aux_index, info.dst_state_indices) == (5, [])
+    assert (info.required_dst_info_num, info.decode_prefix_len) == (2, 128)
+    if with_device and num_pages:
+        np.testing.assert_array_equal(info.dst_device_kv_indices, device)
+    else:
+        assert info.dst_device_kv_indices is None
+
+
+def _registration() -> KVRegistration:
+    return KVRegistration(
+        endpoint="127.0.0.1",
+        port=17002,
+        session_id="127.0.0.1:15124",
+        ptrs=[2**47 + 4096 * i for i in range(5)],
+        item_lens=[512, 512, 256, 512, 1024],
+        lens=[512 * 100, 512 * 100, 256 * 80, 512 * 100, 1024 * 7],
+        is_device=[False, True, True, False, True],
+    )
+
+
+def test_registration_round_trip():
+    registration = _registration()
+    assert KVRegistration.from_frames(registration.to_frames()) == registration
+
+
+def test_sglang_kv_args_register_info_accepts_the_registration():
+    conn = _sglang_conn()
+    registration = _registration()
+    info = conn.KVArgsRegisterInfo.from_zmq(registration.to_frames())
+    assert info.room == "None"
+    assert (info.endpoint, info.dst_port) == ("127.0.0.1", 17002)
+    assert info.mooncake_session_id == "127.0.0.1:15124"
+    assert info.dst_kv_ptrs == registration.ptrs
+    assert info.dst_kv_item_lens == registration.item_lens
+    assert info.dst_kv_item_len == registration.item_lens[0]
+    assert (info.dst_aux_ptrs, info.dst_state_data_ptrs, info.staging) == ([], [], None)
+
+
+@pytest.mark.parametrize(
+    ("pages", "message"),
+    [
+        (np.array([3, -1]), r"host_pages\[1\] = -1"),
+        (np.array([2**31]), r"host_pages\[0\] = 2147483648"),
+        (np.array([[1, 2]]), "1-D integer"),
+        (np.array([1.5]), "1-D integer"),
+    ],
+)
+def test_pages_that_int32_frames_cannot_hold_are_refused(pages, message):
+    with pytest.raises(ValueError, match=message):
+        _request(pages, None).to_frames()
+
+
+def test_registration_needs_one_entry_per_buffer():
+    with pytest.raises(ValueError, match="lens: has 1 entries for 2 buffers"):
+        KVRegistration("127.0.0.1", 1, "s", [0, 64], [64, 64], [640], [False, False])
+
+
+def test_frames_of_the_other_message_are_refused():
+    with pytest.raises(ValueError, match="not a transfer request"):
+        TransferRequest.from_frames(_registration().to_frames())
+    with pytest.raises(ValueError, match="not a gpu_planner KV registration"):
+        KVRegistration.from_frames(_request(np.arange(3), None).to_frames())
