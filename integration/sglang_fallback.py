@@ -1,0 +1,21 @@
+"""Log each reason the sglang plugin hands a call back to sglang's own code, once."""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+logger = logging.getLogger("gpu_planner.integration.sglang_plugin")
+
+_logged_keys: set[str] = set()
+_logged_lock = threading.Lock()
+
+
+def log_fallback_once(reason: str, key: str | None = None) -> None:
+    """Log `reason` at INFO the first time its `key` (default: the reason) is seen."""
+    key = reason if key is None else key
+    with _logged_lock:
+        if key in _logged_keys:
+            return
+        _logged_keys.add(key)
+    logger.info("gpu_planner: falling back to sglang's original code: %s", reason)

@@ -1,0 +1,66 @@
+"""sglang plugin: plan sglang's Mooncake KV transfers with gpu_planner.
+
+sglang's `load_plugins()` calls `register` through the `sglang.srt.plugins`
+entry point named `gpu_planner`. It registers AROUND hooks on
+`MooncakeKVManager._send_kvcache_generic` and `kv_to_page_indices` with
+sglang's `HookRegistry`, after checking that each target still has the
+signature of sglang 0.5.23 that the hooks mirror. `GPU_PLANNER_DISABLE=1`
+turns the plugin off.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import os
+import pkgutil
+from collections.abc import Callable
+
+from gpu_planner.integration.sglang_fallback import log_fallback_once
+
+logger = logging.getLogger(__name__)
+
+SEND_TARGET = "sglang.srt.disaggregation.mooncake.conn.MooncakeKVManager._send_kvcache_generic"
+PAGES_TARGET = "sglang.srt.mem_cache.common.kv_to_page_indices"
+
+Parameters = tuple[tuple[str, object], ...]
+
+
+def plugin_disabled() -> bool:
+    """True when GPU_PLANNER_DISABLE asks for sglang's own code."""
+    return os.environ.get("GPU_PLANNER_DISABLE", "").strip().lower() in ("1", "true", "yes")
+
+
+def register() -> None:
+    """Register gpu_planner's hooks with sglang (the `sglang.srt.plugins` entry point)."""
+    if plugin_disabled():
+        logger.info("gpu_planner: GPU_PLANNER_DISABLE is set; sglang plans its own transfers")
+        return
+    try:
+        # Imported here: these pull in sglang's Mooncake connector, which only
+        # sglang processes (not `import gpu_planner`) should pay for.
+        from gpu_planner.integration import sglang_pages, sglang_send
+        from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+    except ImportError as error:
+        log_fallback_once(f"sglang's Mooncake connector does not import ({error})")
+        return
+    hooks = {
+        SEND_TARGET: (sglang_send.send_kvcache_generic_hook, sglang_send.HOOKED_PARAMETERS),
+        PAGES_TARGET: (sglang_pages.kv_to_page_indices_hook, sglang_pages.HOOKED_PARAMETERS),
+    }
+    for target, (hook, expected) in hooks.items():
+        found = function_parameters(pkgutil.resolve_name(target))
+        if found != expected:
+            log_fallback_once(
+                f"{target} has parameters {found}, not the {expected} of sglang 0.5.23"
+            )
+            continue
+        HookRegistry.register(target, hook, HookType.AROUND)
+
+
+def function_parameters(function: Callable) -> Parameters:
+    """(name, default) of each parameter; `inspect.Parameter.empty` marks no default."""
+    return tuple(
+        (name, parameter.default)
+        for name, parameter in inspect.signature(function).parameters.items()
+    )

@@ -1,0 +1,124 @@
+"""AROUND hook for sglang's `MooncakeKVManager._send_kvcache_generic`.
+
+sglang groups contiguous pages with NumPy and builds every descriptor in a
+Python double loop. The hook keeps sglang's entry mapping (see
+`sglang_entries`) and its engine calls, but plans the runs and descriptors with
+gpu_planner: the same `batch_transfer_sync` calls, with the same arguments, in
+the same order, and the same return value. Inputs the planner does not model
+fall back to the original function, logged once per reason.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from collections.abc import Callable
+
+import numpy as np
+from gpu_planner.integration.sglang_entries import Entry, SendCall, transfer_entries
+from gpu_planner.integration.sglang_fallback import log_fallback_once
+from sglang.srt.disaggregation.mooncake import conn
+
+import gpu_planner as gp
+
+# The original's parameters, as the plugin's register() compares them.
+HOOKED_PARAMETERS = (("self", inspect.Parameter.empty),) + tuple(
+    (field.name, inspect.Parameter.empty if field.default is dataclasses.MISSING else field.default)
+    for field in dataclasses.fields(SendCall)
+)
+
+
+def send_kvcache_generic_hook(
+    original: Callable[..., int], manager: conn.MooncakeKVManager, *args, **kwargs
+) -> int:
+    """Plan sglang's KV send with gpu_planner; same engine calls and status as `original`."""
+    call = SendCall(*args, **kwargs)
+    reason = _unsupported_reason(call)
+    if reason is not None:
+        log_fallback_once(reason)
+        return original(manager, *args, **kwargs)
+    entries = transfer_entries(manager, call)
+    if isinstance(entries, int):
+        return entries
+    try:
+        plan = _plan(manager, call, entries)
+    except gp.PlanValidationError as error:
+        log_fallback_once(f"the planner rejected a send ({error})", key="planner rejected")
+        return original(manager, *args, **kwargs)
+    if plan is None:
+        return 0
+    engine = manager.engine
+    session = call.mooncake_session_id
+    if _uses_per_layer_futures(manager):
+        futures = [
+            call.executor.submit(engine.batch_transfer_sync, session, srcs, dsts, lens)
+            for _, srcs, dsts, lens in plan.buffer_batches()
+        ]
+        return manager._await_transfer_futures(futures)
+    for srcs, dsts, lens in plan.batches():
+        status = engine.batch_transfer_sync(session, srcs, dsts, lens)
+        if status != 0:
+            return status
+    return 0
+
+
+def _uses_per_layer_futures(manager: conn.MooncakeKVManager) -> bool:
+    """sglang submits one engine call per layer to the executor with a custom memory pool."""
+    return manager.enable_custom_mem_pool and manager.custom_mem_pool_type != "INTRA_NODE_NVLINK"
+
+
+def _unsupported_reason(call: SendCall) -> str | None:
+    """Why the original must run (it raises or asserts on these inputs), else None."""
+    pages = (call.prefill_data_indices, call.dst_data_indices)
+    if call.dst_device_data_indices is not None:
+        pages += (call.dst_device_data_indices,)
+    if not all(isinstance(p, np.ndarray) and p.ndim == 1 for p in pages):
+        return "page indices are not 1-D NumPy arrays"
+    src_size = call.prefill_data_indices.size
+    if any(p.size not in (0, src_size) for p in pages) and src_size:
+        return "page lists of unequal lengths"
+    if call.dst_device_data_ptrs and call.dst_device_data_indices is None:
+        return "device destination buffers without device page indices"
+    return None
+
+
+def _plan(
+    manager: conn.MooncakeKVManager, call: SendCall, entries: list[Entry]
+) -> gp.TransferPlan | None:
+    """Plan `entries` as sglang would transfer them; None when no descriptor results.
+
+    A destination space with an empty page list has no runs (sglang's
+    `group_concurrent_contiguous` returns none when either side is empty), so
+    its buffers move nothing and are left out of the layout.
+    """
+    src_pages = call.prefill_data_indices
+    device_ptrs = call.dst_device_data_ptrs
+    is_device = [bool(device_ptrs) and int(dst) in device_ptrs for _, dst, _ in entries]
+    host_live = src_pages.size > 0 and call.dst_data_indices.size > 0
+    device_live = src_pages.size > 0 and any(is_device) and call.dst_device_data_indices.size > 0
+    kept = [
+        (entry, device)
+        for entry, device in zip(entries, is_device, strict=True)
+        if (device and device_live) or (not device and host_live)
+    ]
+    if not kept:
+        return None
+    src_ptrs, dst_ptrs, item_lens = (
+        list(column) for column in zip(*(e for e, _ in kept), strict=True)
+    )
+    kept_is_device = [device for _, device in kept]
+    if host_live:
+        dst_pages = call.dst_data_indices
+        device_pages = call.dst_device_data_indices if device_live else None
+    else:
+        # Every kept buffer is device-backed: plan them against the device pages.
+        dst_pages, device_pages, kept_is_device = call.dst_device_data_indices, None, None
+    layout = gp.BufferLayout(src_ptrs, dst_ptrs, item_lens, dst_is_device=kept_is_device)
+    max_batch_pages = 0 if _uses_per_layer_futures(manager) else manager.max_transfer_batch_indices
+    return gp.plan_transfer(
+        src_pages,
+        dst_pages,
+        layout,
+        dst_device_pages=device_pages,
+        max_batch_pages=max(max_batch_pages, 0),
+    )
