@@ -416,6 +416,8 @@ def run_demo(config: DemoConfig) -> DemoReport:
         decode = prefill.spawn_decode(mode.decode)
         try:
             mode.prefill(prefill, report)
+        except (RuntimeError, TimeoutError) as error:
+            report.errors.append(f"{type(error).__name__}: {error}")
         finally:
             decode.join(config.timeout_s)
             if decode.is_alive():

@@ -53,11 +53,12 @@ class TransferTimeoutError(TransferError):
     """A Mooncake batch did not complete within the sender's `batch_timeout_s`."""
 
 
-def start_engine(host: str = LOCALHOST, max_queued_transfers: int = 16384):
+def start_engine(host: str = LOCALHOST, max_queued_transfers: int = 65535):
     """A Mooncake `TransferEngine` on `host` with the TCP transport and P2P handshake metadata.
 
-    `max_queued_transfers` (descriptors one call may hold per peer) applies
-    unless `MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER` is set.
+    `max_queued_transfers` (descriptors one call may hold per peer; Mooncake
+    0.3.13 ignores values above 65535) applies unless
+    `MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER` is set.
     """
     from mooncake.engine import TransferEngine
 
