@@ -12,13 +12,15 @@ def fragmented_pages(rng: np.random.Generator, num_pages: int, mean_run: float) 
     """Distinct pages in runs of geometric length, runs placed in shuffled order."""
     if num_pages == 0:
         return np.zeros(0, dtype=np.int64)
-    lengths = []
-    while sum(lengths) < num_pages:
-        lengths.append(int(rng.geometric(1.0 / mean_run)))
-    lengths[-1] -= sum(lengths) - num_pages
-    starts = np.cumsum([0] + [length + 1 for length in lengths[:-1]])
-    order = rng.permutation(len(lengths))
-    return np.concatenate([np.arange(starts[i], starts[i] + lengths[i]) for i in order])
+    lengths = rng.geometric(1.0 / mean_run, size=num_pages)
+    num_runs = int(np.searchsorted(np.cumsum(lengths), num_pages)) + 1
+    lengths = lengths[:num_runs]
+    lengths[-1] -= lengths.sum() - num_pages
+    gapped_starts = np.cumsum(lengths + 1) - (lengths + 1)  # one free page after each run
+    order = rng.permutation(num_runs)
+    run_of_page = np.repeat(order, lengths[order])
+    page_in_run = np.arange(num_pages) - np.repeat(np.cumsum(lengths[order]) - lengths[order], lengths[order])
+    return gapped_starts[run_of_page] + page_in_run
 
 
 @st.composite

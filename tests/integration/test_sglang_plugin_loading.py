@@ -1,0 +1,124 @@
+"""sglang finds and applies the plugin; it can be disabled; it refuses other signatures."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from collections import defaultdict
+from importlib.metadata import entry_points
+
+import numpy as np
+import pytest
+import torch
+from gpu_planner.integration import sglang_fallback, sglang_plugin, sglang_send
+from gpu_planner.integration.sglang_plugin import PAGES_TARGET, SEND_TARGET
+from sglang_plugin_support import ORIGINALS, RecordingEngine, common, conn, make_manager
+from sglang_send_scenarios import SESSION
+
+PLUGIN_LOGGER = "gpu_planner.integration.sglang_plugin"
+
+
+@pytest.fixture
+def fresh_registry(monkeypatch):
+    """An empty HookRegistry and fallback log, restored after the test."""
+    from sglang.srt.plugins.hook_registry import HookRegistry
+
+    monkeypatch.setattr(HookRegistry, "_hooks", defaultdict(list))
+    monkeypatch.setattr(sglang_fallback, "_logged_keys", set())
+    return HookRegistry
+
+
+def test_entry_point_is_installed():
+    [plugin] = [ep for ep in entry_points(group="sglang.srt.plugins") if ep.name == "gpu_planner"]
+    assert plugin.load() is sglang_plugin.register
+
+
+def test_load_plugins_hooks_both_targets_for_every_importer():
+    from sglang.srt.plugins.hook_registry import HookRegistry
+
+    hooked_send = conn.MooncakeKVManager._send_kvcache_generic
+    assert hooked_send is not ORIGINALS["send"]
+    assert hooked_send.__wrapped__ is ORIGINALS["send"]
+    assert common.kv_to_page_indices.__wrapped__ is ORIGINALS["pages"]
+    for target in (SEND_TARGET, PAGES_TARGET):
+        assert target in HookRegistry._patched
+        sources = {source.plugin_name for _, _, source in HookRegistry._hooks[target]}
+        assert sources == {"gpu_planner"}
+    # sglang modules' `from ... import kv_to_page_indices` copies were rebound too.
+    importers = [
+        module
+        for name, module in list(sys.modules.items())
+        if name.startswith("sglang.") and hasattr(module, "kv_to_page_indices")
+    ]
+    assert len(importers) >= 2
+    assert all(module.kv_to_page_indices is common.kv_to_page_indices for module in importers)
+
+
+def test_disable_registers_nothing(fresh_registry, monkeypatch, caplog):
+    monkeypatch.setenv("GPU_PLANNER_DISABLE", "1")
+    with caplog.at_level(logging.INFO, logger=PLUGIN_LOGGER):
+        sglang_plugin.register()
+    assert dict(fresh_registry._hooks) == {}
+    assert "GPU_PLANNER_DISABLE" in caplog.text
+
+
+def test_register_hooks_both_targets(fresh_registry, monkeypatch):
+    monkeypatch.delenv("GPU_PLANNER_DISABLE", raising=False)
+    sglang_plugin.register()
+    assert sorted(fresh_registry._hooks) == sorted([SEND_TARGET, PAGES_TARGET])
+
+
+def test_other_signature_is_left_to_sglang(fresh_registry, monkeypatch, caplog):
+    """A sglang whose send method has other parameters keeps its own code, logged at INFO."""
+    monkeypatch.delenv("GPU_PLANNER_DISABLE", raising=False)
+    monkeypatch.setattr(sglang_send, "HOOKED_PARAMETERS", sglang_send.HOOKED_PARAMETERS[:-1])
+    with caplog.at_level(logging.INFO, logger=PLUGIN_LOGGER):
+        sglang_plugin.register()
+    assert list(fresh_registry._hooks) == [PAGES_TARGET]
+    [record] = [r for r in caplog.records if SEND_TARGET in r.getMessage()]
+    assert record.levelno == logging.INFO
+    assert "bootstrap_room" in record.getMessage()
+
+
+def test_fallback_is_logged_once(fresh_registry, caplog):
+    """Inputs sglang itself rejects are handed back to it; the reason is logged once."""
+    manager = make_manager(RecordingEngine(), mla=True)
+    call = {
+        "mooncake_session_id": SESSION,
+        "src_data_ptrs": [1 << 40],
+        "dst_data_ptrs": [1 << 44],
+        "item_lens": [64],
+        "prefill_data_indices": np.arange(4),
+        "dst_data_indices": np.arange(3),
+        "executor": None,
+    }
+    with caplog.at_level(logging.INFO, logger=PLUGIN_LOGGER):
+        for _ in range(2):
+            with pytest.raises(ValueError, match="equal-length"):
+                conn.MooncakeKVManager._send_kvcache_generic(manager, **call)
+    fallbacks = [r for r in caplog.records if "falling back" in r.getMessage()]
+    assert len(fallbacks) == 1
+    assert "unequal lengths" in fallbacks[0].getMessage()
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("page_size", [1, 16, 64])
+def test_kv_to_page_indices_matches_sglang_on_cpu(dtype, page_size):
+    kv = torch.randperm(5000, dtype=torch.int64).to(dtype)[:777]
+    expected = ORIGINALS["pages"](kv, page_size)
+    actual = common.kv_to_page_indices(kv, page_size)
+    assert actual.dtype == expected.dtype
+    np.testing.assert_array_equal(actual, expected)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the GPU path needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("page_size", [1, 16, 64])
+def test_kv_to_page_indices_matches_sglang_on_cuda(dtype, page_size):
+    row = torch.randperm(1 << 20, device="cuda").to(dtype).reshape(-1, 1024)
+    for kv in (row[3, 5:900], row[:, 7]):  # contiguous and strided slices
+        expected = ORIGINALS["pages"](kv, page_size)
+        actual = common.kv_to_page_indices(kv, page_size)
+        assert isinstance(actual, np.ndarray)
+        assert actual.dtype == expected.dtype
+        np.testing.assert_array_equal(actual, expected)
