@@ -1,0 +1,1 @@
+"""gpu_planner benchmark: sweep, planners, harness and reports (`python -m bench.run`)."""

@@ -1,0 +1,92 @@
+"""Timing harness: adaptive repeats, wall-clock or CUDA-event timers, and summary statistics.
+
+Samples run with the garbage collector off (as `timeit` does) so that a collection
+triggered by one planner's garbage is not billed to the next; it is collected once
+before each figure.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+
+SLOW_CALL_S = 0.5  # a warm-up slower than this counts as the first sample
+
+
+@dataclasses.dataclass(frozen=True)
+class RepeatPolicy:
+    """How many samples to take: enough to fill `budget_s`, within [min, max]."""
+
+    budget_s: float = 1.0
+    min_repeats: int = 3
+    max_repeats: int = 200
+
+
+@dataclasses.dataclass(frozen=True)
+class Timing:
+    """Summary of repeated samples, in seconds."""
+
+    median: float
+    p10: float
+    p90: float
+    repeats: int
+
+    @classmethod
+    def from_samples(cls, samples: list[float]) -> Timing:
+        p10, median, p90 = np.percentile(samples, [10, 50, 90])
+        return cls(median=float(median), p10=float(p10), p90=float(p90), repeats=len(samples))
+
+    def as_dict(self) -> dict[str, float | int]:
+        return dataclasses.asdict(self)
+
+
+def wall_timer(fn: Callable[[], Any]) -> float:
+    """Seconds of wall time for one call of `fn`."""
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def cuda_event_timer(fn: Callable[[], Any]) -> float:
+    """Seconds of GPU time between events recorded before and after `fn` (its launches)."""
+    start = torch.cuda.Event(enable_timing=True)
+    end = torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3
+
+
+def cuda_wall_timer(fn: Callable[[], Any]) -> float:
+    """Wall seconds of `fn` with the stream idle before and drained after it."""
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+def measure(
+    fn: Callable[[], Any],
+    policy: RepeatPolicy,
+    timer: Callable[[Callable[[], Any]], float] = wall_timer,
+) -> Timing:
+    """Time `fn` after one warm-up call, repeating it as often as `policy` allows."""
+    gc.collect()
+    gc.disable()
+    try:
+        warmup = timer(fn)
+        samples = [warmup] if warmup >= SLOW_CALL_S else []
+        wanted = int(policy.budget_s / max(warmup, 1e-9))
+        repeats = min(max(wanted, policy.min_repeats), policy.max_repeats)
+        samples += [timer(fn) for _ in range(repeats - len(samples))]
+    finally:
+        gc.enable()
+    return Timing.from_samples(samples)

@@ -1,0 +1,50 @@
+"""PNG plot of plan and hand-off time against descriptor count, one series per planner."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402  (the backend must be chosen first)
+
+STAGES = [("plan", "plan time (to descriptor arrays)"), ("hand_off", "hand-off time (to lists)")]
+
+
+def _series(results: list[dict[str, Any]], stage: str) -> dict[str, list[tuple[int, dict]]]:
+    """planner name -> [(descriptors, timing)] sorted by descriptors; the floor joins hand-off."""
+    series: dict[str, list[tuple[int, dict]]] = {}
+    for result in results:
+        for name, figures in result["planners"].items():
+            series.setdefault(name, []).append((result["num_descriptors"], figures[stage]))
+        if stage == "hand_off":
+            series.setdefault("floor", []).append((result["num_descriptors"], result["floor"]))
+    return {name: sorted(points, key=lambda point: point[0]) for name, points in series.items()}
+
+
+def write_plot(path: Path, results: list[dict[str, Any]], title: str) -> None:
+    """Log-log scatter with p10-p90 error bars, plan time left and hand-off time right."""
+    figure, axes = plt.subplots(1, len(STAGES), figsize=(13, 5), sharey=True)
+    for axis, (stage, stage_title) in zip(axes, STAGES, strict=True):
+        for name, points in _series(results, stage).items():
+            descriptors = [max(count, 1) for count, _ in points]
+            medians = [timing["median"] for _, timing in points]
+            errors = [
+                [timing["median"] - timing["p10"] for _, timing in points],
+                [timing["p90"] - timing["median"] for _, timing in points],
+            ]
+            axis.errorbar(descriptors, medians, yerr=errors, fmt="o", ms=4, capsize=2, label=name)
+        axis.set_xscale("log")
+        axis.set_yscale("log")
+        axis.set_xlabel("descriptors per request")
+        axis.set_title(stage_title)
+        axis.grid(True, which="both", alpha=0.3)
+        axis.legend()
+    axes[0].set_ylabel("seconds (median, p10-p90)")
+    figure.suptitle(title)
+    figure.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
