@@ -20,6 +20,7 @@ os.environ.pop("SGLANG_PLUGINS", None)
 with warnings.catch_warnings():
     # sglang warns that its GPU quantization kernels are unavailable on this machine.
     warnings.simplefilter("ignore")
+    from sglang.srt.disaggregation import minimax  # does `from ...common import kv_to_page_indices`
     from sglang.srt.disaggregation.base.conn import KVArgs
     from sglang.srt.disaggregation.mooncake import conn
     from sglang.srt.mem_cache import common
@@ -30,6 +31,17 @@ ORIGINALS = {
     "pages": inspect.unwrap(common.kv_to_page_indices),
 }
 load_plugins()
+
+__all__ = [
+    "ORIGINALS",
+    "FailureRecorder",
+    "RecordingEngine",
+    "common",
+    "conn",
+    "hooked_send",
+    "make_manager",
+    "minimax",
+]
 
 EngineCall = tuple[str, list[int], list[int], list[int]]
 
