@@ -62,7 +62,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--min-repeats", type=int, default=3)
     parser.add_argument("--max-repeats", type=int, default=200)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", type=Path, default=Path("bench_results"), help="output folder")
+    parser.add_argument("--out", type=Path, default=Path("bench/results"), help="output folder")
     parser.add_argument("--name", default="gpu_planner_bench", help="stem of the JSON/PNG files")
     return parser.parse_args(argv)
 
