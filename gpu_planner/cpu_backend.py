@@ -72,11 +72,59 @@ def descriptor_batch_offsets(
 def expand_descriptors(
     layout: BufferLayout, spaces: list[SpaceRuns], max_batch_pages: int
 ) -> np.ndarray:
-    """Descriptors [N, 3] (src_addr, dst_addr, length), batch-major, buffer-major, page order."""
-    batch_offsets = descriptor_batch_offsets(layout, [s.batch_run_offsets for s in spaces])
-    descriptors = np.empty((int(batch_offsets[-1]), 3), dtype=np.int64)
-    if not len(descriptors):
-        return descriptors
+    """Descriptor columns [3, N] (src_addr, dst_addr, length), batch-major, buffer-major.
+
+    Within a batch, each stretch of consecutive same-space buffers is one
+    contiguous block per column, written in place. With very many batches
+    (tiny batch limits) that loop would dominate, so rows are scattered instead.
+    """
+    batch_run_offsets = [space.batch_run_offsets for space in spaces]
+    batch_offsets = descriptor_batch_offsets(layout, batch_run_offsets)
+    columns = np.empty((3, int(batch_offsets[-1])), dtype=np.int64)
+    if not columns.shape[1]:
+        return columns
+    num_batches = len(batch_offsets) - 1
+    if num_batches * len(layout.segments) > _MAX_BLOCK_WRITES:
+        _scatter_descriptors(columns, batch_offsets, layout, spaces, max_batch_pages)
+        return columns
+    for batch, start in enumerate(batch_offsets[:-1].tolist()):
+        for space_id, buffers in layout.segments:
+            first, last = batch_run_offsets[space_id][batch : batch + 2].tolist()
+            end = start + len(buffers) * (last - first)
+            block = [column[start:end].reshape(len(buffers), last - first) for column in columns]
+            _fill(block, layout, buffers, spaces[space_id], slice(first, last))
+            start = end
+    return columns
+
+
+_MAX_BLOCK_WRITES = 4096
+
+
+def _fill(
+    block: list[np.ndarray],
+    layout: BufferLayout,
+    buffers: np.ndarray,
+    space: SpaceRuns,
+    runs: slice,
+) -> None:
+    """block[column][b, r] = that column of buffers[b]'s descriptor for run `runs[r]` of `space`."""
+    src_addrs, dst_addrs, lengths = block
+    item_lens = layout.item_lens[buffers, None]
+    np.multiply(space.src_starts[runs], item_lens, out=src_addrs)
+    src_addrs += layout.src_ptrs[buffers, None]
+    np.multiply(space.dst_starts[runs], item_lens, out=dst_addrs)
+    dst_addrs += layout.dst_ptrs[buffers, None]
+    np.multiply(space.lengths[runs], item_lens, out=lengths)
+
+
+def _scatter_descriptors(
+    columns: np.ndarray,
+    batch_offsets: np.ndarray,
+    layout: BufferLayout,
+    spaces: list[SpaceRuns],
+    max_batch_pages: int,
+) -> None:
+    """Write every (buffer, run) descriptor at its slot, computed as the Triton kernel does."""
     num_pages = int(spaces[0].page_starts[-1] + spaces[0].lengths[-1])
     batch_pages = batch_page_count(num_pages, max_batch_pages)
     runs_per_batch = [np.diff(space.batch_run_offsets) for space in spaces]
@@ -86,17 +134,13 @@ def expand_descriptors(
             continue
         run_batch = space.page_starts // batch_pages
         run_in_batch = np.arange(len(space.page_starts)) - space.batch_run_offsets[run_batch]
-        first_slot = batch_offsets[run_batch] + run_in_batch
-        slots = first_slot + np.outer(layout.host_before[buffers], runs_per_batch[0][run_batch])
+        slots = batch_offsets[run_batch] + run_in_batch
+        slots = slots + np.outer(layout.host_before[buffers], runs_per_batch[0][run_batch])
         if len(spaces) > 1:
             slots += np.outer(layout.device_before[buffers], runs_per_batch[1][run_batch])
-        item_lens = layout.item_lens[buffers, None]
-        values = np.empty(slots.shape + (3,), dtype=np.int64)
-        values[..., 0] = layout.src_ptrs[buffers, None] + space.src_starts * item_lens
-        values[..., 1] = layout.dst_ptrs[buffers, None] + space.dst_starts * item_lens
-        values[..., 2] = space.lengths * item_lens
-        descriptors[slots.ravel()] = values.reshape(-1, 3)
-    return descriptors
+        values = np.empty((3, *slots.shape), dtype=np.int64)
+        _fill(list(values), layout, buffers, space, slice(None))
+        columns[:, slots.ravel()] = values.reshape(3, -1)
 
 
 def first_bounds_violation(

@@ -71,6 +71,13 @@ class BufferLayout:
         self.host_before = np.arange(self.num_buffers, dtype=np.int64) - self.device_before
         self.num_device_buffers = int(is_device.sum())
         self.num_host_buffers = self.num_buffers - self.num_device_buffers
+        # Maximal stretches of consecutive buffers in one space: (space, buffer indices).
+        boundaries = np.flatnonzero(np.diff(self.space)) + 1
+        self.segments = [
+            (int(self.space[buffers[0]]), buffers)
+            for buffers in np.split(np.arange(self.num_buffers), boundaries)
+            if buffers.size
+        ]
         self._device_tables: dict[torch.device, dict[str, torch.Tensor]] = {}
 
     @property
@@ -89,7 +96,7 @@ class BufferLayout:
         return lens
 
     def bounds_error(self, buffer: int, side: str, page_start: int, num_pages: int) -> BoundsError:
-        """The error for a descriptor of `buffer` covering pages [page_start, +num_pages) on `side`."""
+        """The error for `buffer`'s descriptor over pages [page_start, +num_pages) on `side`."""
         item_len = int(self.item_lens[buffer])
         limit = int(self.bound_limits(side)[buffer])
         end = (page_start + num_pages) * item_len

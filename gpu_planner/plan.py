@@ -25,7 +25,7 @@ Descriptors = tuple[list[int], list[int], list[int]]
 
 
 class TransferPlan:
-    """Descriptors for one request: `(src_addr, dst_addr, length)` rows, batch-major.
+    """Descriptors for one request: `(src_addr, dst_addr, length)` columns, batch-major.
 
     On CUDA the plan is built by kernels and stays on the device until it is
     first read; that read (`materialize`) fetches the status and counts once,
@@ -37,20 +37,18 @@ class TransferPlan:
         self.layout = layout
         self.num_batches = num_batches
         self._device_state: tuple | None = None
-        self._descriptors: torch.Tensor | None = None
+        self._columns: torch.Tensor | None = None
         self._batch_offsets: np.ndarray | None = None
         self._runs_per_batch: np.ndarray | None = None
 
-    def _set_host_result(
-        self, descriptors: torch.Tensor, batch_run_offsets: list[np.ndarray]
-    ) -> None:
-        self._descriptors = descriptors
+    def _set_host_result(self, columns: torch.Tensor, batch_run_offsets: list[np.ndarray]) -> None:
+        self._columns = columns
         self._batch_offsets = cpu_backend.descriptor_batch_offsets(self.layout, batch_run_offsets)
         self._runs_per_batch = np.diff(np.stack(batch_run_offsets), axis=1)
 
     def materialize(self) -> TransferPlan:
         """Bring the descriptors to the host (no-op when already there); raise recorded errors."""
-        if self._descriptors is not None:
+        if self._columns is not None:
             return self
         from gpu_planner.kernels.status import NUM_SLOTS
 
@@ -60,7 +58,9 @@ class TransferPlan:
         self._raise_recorded_error(metadata[:NUM_SLOTS], device_runs)
         batch_run_offsets = list(metadata[NUM_SLOTS:].reshape(device_runs.num_spaces, -1))
         total = int(cpu_backend.descriptor_batch_offsets(self.layout, batch_run_offsets)[-1])
-        self._set_host_result(copy_to_host(device_descriptors[:total]), batch_run_offsets)
+        # The kernel packs the columns at stride `total`: one exact contiguous copy.
+        columns = copy_to_host(device_descriptors[: 3 * total]).view(3, total)
+        self._set_host_result(columns, batch_run_offsets)
         self._device_state = None
         return self
 
@@ -79,21 +79,26 @@ class TransferPlan:
             raise self.layout.bounds_error(buffer, side, page_start, num_pages)
 
     @property
+    def columns(self) -> torch.Tensor:
+        """int64 [3, num_descriptors] in host memory: src_addrs, dst_addrs, lengths."""
+        return self.materialize()._columns
+
+    @property
     def descriptors(self) -> torch.Tensor:
-        """int64 [num_descriptors, 3]: src_addr, dst_addr, length per row (host memory)."""
-        return self.materialize()._descriptors
+        """int64 [num_descriptors, 3] view: one (src_addr, dst_addr, length) row per descriptor."""
+        return self.columns.T
 
     @property
     def src_addrs(self) -> torch.Tensor:
-        return self.descriptors[:, 0]
+        return self.columns[0]
 
     @property
     def dst_addrs(self) -> torch.Tensor:
-        return self.descriptors[:, 1]
+        return self.columns[1]
 
     @property
     def lengths(self) -> torch.Tensor:
-        return self.descriptors[:, 2]
+        return self.columns[2]
 
     @property
     def batch_offsets(self) -> torch.Tensor:
@@ -109,17 +114,17 @@ class TransferPlan:
         return int(self.lengths.sum())
 
     def batches(self) -> Iterator[Descriptors]:
-        """One (srcs, dsts, lens) list triple per batch that has descriptors: one Mooncake call each."""
-        rows = self.descriptors.numpy()
+        """One (srcs, dsts, lens) list triple per non-empty batch: one Mooncake call each."""
+        columns = self.columns.numpy()
         offsets = self._batch_offsets.tolist()
-        for start, end in zip(offsets[:-1], offsets[1:]):
+        for start, end in zip(offsets[:-1], offsets[1:], strict=True):
             if end > start:
-                srcs, dsts, lens = rows[start:end].T.tolist()
+                srcs, dsts, lens = columns[:, start:end].tolist()
                 yield srcs, dsts, lens
 
     def buffer_batches(self) -> Iterator[tuple[int, list[int], list[int], list[int]]]:
         """(buffer, srcs, dsts, lens) per batch and buffer with descriptors, in plan order."""
-        rows = self.descriptors.numpy()
+        columns = self.columns.numpy()
         layout = self.layout
         runs_per_batch = self._runs_per_batch
         for batch, batch_start in enumerate(self._batch_offsets[:-1].tolist()):
@@ -134,7 +139,7 @@ class TransferPlan:
                     + int(layout.host_before[buffer]) * host_runs
                     + int(layout.device_before[buffer]) * device_runs
                 )
-                srcs, dsts, lens = rows[start : start + count].T.tolist()
+                srcs, dsts, lens = columns[:, start : start + count].tolist()
                 yield buffer, srcs, dsts, lens
 
 
@@ -184,10 +189,8 @@ def _plan_on_cpu(plan: TransferPlan, pages: dict[str, torch.Tensor], max_batch_p
     violation = cpu_backend.first_bounds_violation(plan.layout, spaces)
     if violation is not None:
         raise plan.layout.bounds_error(*violation)
-    descriptors = cpu_backend.expand_descriptors(plan.layout, spaces, max_batch_pages)
-    plan._set_host_result(
-        torch.from_numpy(descriptors), [space.batch_run_offsets for space in spaces]
-    )
+    columns = cpu_backend.expand_descriptors(plan.layout, spaces, max_batch_pages)
+    plan._set_host_result(torch.from_numpy(columns), [space.batch_run_offsets for space in spaces])
 
 
 def _plan_with_kernels(

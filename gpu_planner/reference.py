@@ -17,7 +17,7 @@ def group_runs(src: Sequence[int], dst: Sequence[int]) -> list[tuple[int, int, i
     if len(src) != len(dst):
         raise ValueError(f"src has {len(src)} pages but dst has {len(dst)}")
     runs: list[tuple[int, int, int]] = []
-    for i, (s, d) in enumerate(zip(src, dst)):
+    for i, (s, d) in enumerate(zip(src, dst, strict=True)):
         if i and s == src[i - 1] + 1 and d == dst[i - 1] + 1:
             src_start, dst_start, length = runs[-1]
             runs[-1] = (src_start, dst_start, length + 1)
@@ -57,7 +57,9 @@ def plan_batches(
         srcs: list[int] = []
         dsts: list[int] = []
         lens: list[int] = []
-        for src_ptr, dst_ptr, item_len, on_device in zip(src_ptrs, dst_ptrs, item_lens, is_device):
+        for src_ptr, dst_ptr, item_len, on_device in zip(
+            src_ptrs, dst_ptrs, item_lens, is_device, strict=True
+        ):
             if on_device and device_runs is None:
                 raise ValueError("a device-backed buffer needs dst_device_pages")
             for src_start, dst_start, length in device_runs if on_device else host_runs:

@@ -1,6 +1,8 @@
 """Descriptor expansion over (buffer, run block), with each buffer's space chosen on the device.
 
-Buffer `b` in batch `k` starts at
+Output: three columns packed at stride `total` (src_addrs, then dst_addrs, then
+lengths), so the exact plan is the contiguous prefix [0, 3 * total) and the
+host fetches it with one copy. Buffer `b` in batch `k` starts at
     num_host_buffers * host_runs_before_k + num_device_buffers * device_runs_before_k
     + host_before[b] * host_runs_in_k + device_before[b] * device_runs_in_k
 so every program finds its output slots from device-side counts alone.
@@ -11,7 +13,6 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-
 from gpu_planner.kernels.run_scan import DeviceRuns
 from gpu_planner.kernels.status import OUT_OF_BOUNDS
 
@@ -34,7 +35,7 @@ def _expand_descriptors_kernel(
     dst_starts_ptr,
     batch_run_offsets_ptr,
     descriptors_ptr,
-    status_ptr,
+    first_out_of_bounds_ptr,
     capacity,
     num_batches,
     batch_pages,
@@ -47,6 +48,9 @@ def _expand_descriptors_kernel(
     buffer = tl.program_id(0)
     run = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     space = tl.load(space_ptr + buffer)
+    total = num_host_buffers * tl.load(batch_run_offsets_ptr + num_batches)
+    if HAS_DEVICE:
+        total += num_device_buffers * tl.load(batch_run_offsets_ptr + 2 * num_batches + 1)
     space_batch_runs_ptr = batch_run_offsets_ptr + space * (num_batches + 1)
     run_in_range = run < tl.load(space_batch_runs_ptr + num_batches)
     space_run = space * capacity + run
@@ -77,17 +81,18 @@ def _expand_descriptors_kernel(
     length = run_pages * item_len
     src_offset = src_start * item_len
     dst_offset = dst_start * item_len
-    descriptor_ptr = descriptors_ptr + slot * 3
+    descriptor_ptr = descriptors_ptr + slot
     tl.store(descriptor_ptr, tl.load(src_ptrs_ptr + buffer) + src_offset, mask=run_in_range)
-    tl.store(descriptor_ptr + 1, tl.load(dst_ptrs_ptr + buffer) + dst_offset, mask=run_in_range)
-    tl.store(descriptor_ptr + 2, length, mask=run_in_range)
+    descriptor_ptr += total
+    tl.store(descriptor_ptr, tl.load(dst_ptrs_ptr + buffer) + dst_offset, mask=run_in_range)
+    tl.store(descriptor_ptr + total, length, mask=run_in_range)
 
     if CHECK_BOUNDS:
         dst_over = run_in_range & (dst_offset + length > tl.load(dst_lens_ptr + buffer))
         src_over = run_in_range & (src_offset + length > tl.load(src_lens_ptr + buffer))
         key = (buffer * capacity + run) * 2 + tl.where(dst_over, 0, 1)
         key = tl.where(dst_over | src_over, key, 9223372036854775807)
-        tl.atomic_min(status_ptr + OUT_OF_BOUNDS, tl.min(key, axis=0))
+        tl.atomic_min(first_out_of_bounds_ptr, tl.min(key, axis=0))
 
 
 def launch_expand_descriptors(
@@ -98,10 +103,10 @@ def launch_expand_descriptors(
     status: torch.Tensor,
     check_bounds: bool,
 ) -> torch.Tensor:
-    """Write every buffer's descriptors into a worst-case [buffers * capacity, 3] int64 tensor."""
+    """Write every buffer's descriptors into a worst-case flat int64 tensor (3 packed columns)."""
     num_buffers = num_host_buffers + num_device_buffers
     descriptors = torch.empty(
-        (num_buffers * runs.capacity, 3), dtype=torch.int64, device=runs.page_starts.device
+        3 * num_buffers * runs.capacity, dtype=torch.int64, device=runs.page_starts.device
     )
     if runs.num_pages == 0 or num_buffers == 0:
         return descriptors
@@ -121,7 +126,7 @@ def launch_expand_descriptors(
         runs.dst_starts,
         runs.batch_run_offsets,
         descriptors,
-        status,
+        status[OUT_OF_BOUNDS:],
         runs.capacity,
         runs.num_batches,
         runs.batch_pages,

@@ -13,8 +13,7 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
-
-from gpu_planner.kernels.status import NEGATIVE_DEVICE_DST, NEGATIVE_DST, NEGATIVE_SRC
+from gpu_planner.kernels.status import NEGATIVE_SRC
 
 BLOCK_PAGES = 1024
 BLOCK_SCAN = 1024
@@ -49,31 +48,32 @@ def _count_runs_kernel(
     device_dst_ptr,
     device_dst_stride,
     block_counts_ptr,
-    status_ptr,
+    first_negative_ptr,
     num_pages,
     num_blocks,
     batch_pages,
     HAS_DEVICE: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
+    """Run starts per block and space; first negative src, host dst, device dst page."""
     block = tl.program_id(0)
     page = block * BLOCK + tl.arange(0, BLOCK)
     page_in_range = page < num_pages
     src = _load_pages(src_ptr, src_stride, page, page_in_range)
     prev_src = _load_pages(src_ptr, src_stride, page - 1, page_in_range & (page > 0))
-    _record_first_negative(status_ptr + NEGATIVE_SRC, src, page, page_in_range)
+    _record_first_negative(first_negative_ptr, src, page, page_in_range)
 
     host_starts, host_dst = _run_start_flags(
         src, prev_src, host_dst_ptr, host_dst_stride, page, page_in_range, batch_pages
     )
     tl.store(block_counts_ptr + block, tl.sum(host_starts.to(tl.int64), axis=0))
-    _record_first_negative(status_ptr + NEGATIVE_DST, host_dst, page, page_in_range)
+    _record_first_negative(first_negative_ptr + 1, host_dst, page, page_in_range)
     if HAS_DEVICE:
         device_starts, device_dst = _run_start_flags(
             src, prev_src, device_dst_ptr, device_dst_stride, page, page_in_range, batch_pages
         )
         tl.store(block_counts_ptr + num_blocks + block, tl.sum(device_starts.to(tl.int64), axis=0))
-        _record_first_negative(status_ptr + NEGATIVE_DEVICE_DST, device_dst, page, page_in_range)
+        _record_first_negative(first_negative_ptr + 2, device_dst, page, page_in_range)
 
 
 @triton.jit
@@ -85,7 +85,7 @@ def _scan_block_counts_kernel(
     num_batches,
     BLOCK: tl.constexpr,
 ):
-    """One program per space: exclusive scan of the block counts; the total closes the batch table."""
+    """One program per space: exclusive scan of block counts; the total ends the batch table."""
     space = tl.program_id(0)
     counts_ptr = block_counts_ptr + space * num_blocks
     offsets_ptr = block_offsets_ptr + space * num_blocks
@@ -270,7 +270,7 @@ def launch_group_runs(
     _count_runs_kernel[(num_blocks,)](
         *page_args,
         block_counts,
-        status,
+        status[NEGATIVE_SRC:],
         num_pages,
         num_blocks,
         batch_pages,

@@ -7,9 +7,7 @@ anything back; the host reads the whole word once, when the plan is materialised
 import torch
 
 NO_ERROR = 2**63 - 1
-NEGATIVE_SRC = 0  # first position with a negative source page
-NEGATIVE_DST = 1  # first position with a negative host destination page
-NEGATIVE_DEVICE_DST = 2  # first position with a negative device destination page
+NEGATIVE_SRC = 0  # first negative page position: src, then host dst (+1), device dst (+2)
 OUT_OF_BOUNDS = 3  # (buffer * capacity + run) * 2 + (0 dst | 1 src), first in that order
 NUM_SLOTS = 4
 

@@ -19,7 +19,9 @@ def fragmented_pages(rng: np.random.Generator, num_pages: int, mean_run: float) 
     gapped_starts = np.cumsum(lengths + 1) - (lengths + 1)  # one free page after each run
     order = rng.permutation(num_runs)
     run_of_page = np.repeat(order, lengths[order])
-    page_in_run = np.arange(num_pages) - np.repeat(np.cumsum(lengths[order]) - lengths[order], lengths[order])
+    page_in_run = np.arange(num_pages) - np.repeat(
+        np.cumsum(lengths[order]) - lengths[order], lengths[order]
+    )
     return gapped_starts[run_of_page] + page_in_run
 
 

@@ -48,7 +48,10 @@ def hisparse_layout(with_lengths: bool) -> gp.BufferLayout:
 
 
 def written_ranges(plan: gp.TransferPlan) -> set[tuple[int, int]]:
-    return {(dst, dst + length) for dst, length in zip(plan.dst_addrs.tolist(), plan.lengths.tolist())}
+    return {
+        (dst, dst + length)
+        for dst, length in zip(plan.dst_addrs.tolist(), plan.lengths.tolist(), strict=True)
+    }
 
 
 def test_host_pages_for_device_buffers_write_elsewhere(backend_device):
@@ -57,8 +60,11 @@ def test_host_pages_for_device_buffers_write_elsewhere(backend_device):
     layout = hisparse_layout(with_lengths=False)
     right = gp.plan_transfer(layout=layout, backend=backend, **pages)
     wrong = gp.plan_transfer(
-        pages["src_pages"], pages["dst_pages"], layout,
-        dst_device_pages=pages["dst_pages"], backend=backend,
+        pages["src_pages"],
+        pages["dst_pages"],
+        layout,
+        dst_device_pages=pages["dst_pages"],
+        backend=backend,
     )
     device_region = 7 << 40
     right_device = {r for r in written_ranges(right) if r[0] >= device_region}
@@ -75,6 +81,9 @@ def test_bounds_check_rejects_host_pages_for_device_buffers(backend_device):
     assert gp.plan_transfer(layout=layout, backend=backend, **pages).num_descriptors > 0
     with pytest.raises(gp.BoundsError, match=r"buffer 2: dst pages .* device-backed"):
         gp.plan_transfer(
-            pages["src_pages"], pages["dst_pages"], layout,
-            dst_device_pages=pages["dst_pages"], backend=backend,
+            pages["src_pages"],
+            pages["dst_pages"],
+            layout,
+            dst_device_pages=pages["dst_pages"],
+            backend=backend,
         ).materialize()

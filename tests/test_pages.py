@@ -38,7 +38,9 @@ def test_page_indices_both_spaces(backend_device, request, dtype, strided):
         row = torch.from_numpy(device_slots).to(device, dtype)
     host = torch.from_numpy(host_slots).to(device, dtype)
     pages = gp.page_indices(row, host, start, end, page_size, backend=backend)
-    assert pages.device.cpu().tolist() == expected_pages(device_slots.tolist(), start, end, page_size)
+    assert pages.device.cpu().tolist() == expected_pages(
+        device_slots.tolist(), start, end, page_size
+    )
     assert pages.host.cpu().tolist() == expected_pages(host_slots.tolist(), start, end, page_size)
     assert pages.host.dtype == dtype and pages.device.device.type == device.type
 

@@ -64,7 +64,7 @@ def test_plan_matches_reference(backend_device, pages, layout, max_batch_pages, 
     result = plan(pages, layout, max_batch_pages, backend, device, dtype, strided)
     expected = expected_batches(pages, layout, max_batch_pages)
     assert list(result.batches()) == expected
-    rows = [row for srcs, dsts, lens in expected for row in zip(srcs, dsts, lens)]
+    rows = [row for srcs, dsts, lens in expected for row in zip(srcs, dsts, lens, strict=True)]
     assert result.num_descriptors == len(rows)
     assert [tuple(row) for row in result.descriptors.tolist()] == rows
     assert result.src_addrs.tolist() == [src for src, _, _ in rows]
@@ -76,8 +76,10 @@ def test_buffer_batches_partition_each_batch(backend_device, pages, layout, max_
     backend, device = backend_device
     result = plan(pages, layout, max_batch_pages, backend, device)
     pieces = list(result.buffer_batches())
-    joined = [value for _, srcs, dsts, lens in pieces for value in zip(srcs, dsts, lens)]
-    assert joined == [value for batch in result.batches() for value in zip(*batch)]
+    joined = [
+        value for _, srcs, dsts, lens in pieces for value in zip(srcs, dsts, lens, strict=True)
+    ]
+    assert joined == [value for batch in result.batches() for value in zip(*batch, strict=True)]
     for buffer, srcs, _, lens in pieces:
         item_len = layout["item_lens"][buffer]
         assert all(length % item_len == 0 for length in lens)
@@ -101,7 +103,7 @@ def test_batch_offsets_count_batches(backend_device, max_batch_pages):
     assert result.num_batches == -(-num_pages // step)
     offsets = result.batch_offsets.tolist()
     assert len(offsets) == result.num_batches + 1 and offsets[0] == 0
-    sizes = [end - start for start, end in zip(offsets[:-1], offsets[1:])]
+    sizes = [end - start for start, end in zip(offsets[:-1], offsets[1:], strict=True)]
     assert [len(batch[0]) for batch in result.batches()] == [size for size in sizes if size]
     assert list(result.batches()) == expected_batches(pages, layout, max_batch_pages)
 

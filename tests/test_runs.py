@@ -23,7 +23,7 @@ def reference_runs(src, dst, max_batch_pages):
 
 def as_tuples(run_list: gp.RunList) -> list[tuple[int, int, int]]:
     columns = (run_list.src_starts, run_list.dst_starts, run_list.lengths)
-    return list(zip(*(column.cpu().tolist() for column in columns)))
+    return list(zip(*(column.cpu().tolist() for column in columns), strict=True))
 
 
 @given(pages=page_lists(), max_batch_pages=st.sampled_from([0, 1, 7, 1024]))

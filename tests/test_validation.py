@@ -18,7 +18,9 @@ def test_unequal_page_lists(backend_device):
     backend, device = backend_device
     with pytest.raises(gp.PlanValidationError, match="dst_pages: has 2 pages but src_pages has 3"):
         gp.plan_transfer(
-            torch.arange(3, device=device), torch.arange(2, device=device), layout(),
+            torch.arange(3, device=device),
+            torch.arange(2, device=device),
+            layout(),
             backend=backend,
         )
     with pytest.raises(ValueError, match="dst_device_pages: has 4 pages"):
