@@ -22,8 +22,8 @@ def as_index_tensor(values: IndexLike, name: str) -> torch.Tensor:
             raise PlanValidationError(
                 f"{name}: expected an integer array, got dtype {values.dtype}"
             )
-        if values.dtype not in (np.int32, np.int64):
-            values = values.astype(np.int64)
+        if values.dtype not in (np.int32, np.int64) or not values.flags.writeable:
+            values = values.astype(np.int64 if values.dtype != np.int32 else np.int32)
         values = torch.from_numpy(values)
     elif not isinstance(values, torch.Tensor):
         raise PlanValidationError(
