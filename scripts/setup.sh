@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# Set up .venv at the repo root for the demo (`demo`) or the test suite (`test`).
+# Installs the Debian packages Mooncake needs, pins a torch build that fits the
+# machine, and installs gpu-planner in editable mode with the needed extras.
+set -euo pipefail
+mode="${1:-demo}"
+case "$mode" in demo | test) ;; *) echo "usage: scripts/setup.sh demo|test" >&2; exit 2 ;; esac
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$root"
+
+need_debs=()
+for deb in libibverbs1 librdmacm1 libnuma1; do
+  dpkg -s "$deb" >/dev/null 2>&1 || need_debs+=("$deb")
+done
+if ((${#need_debs[@]})); then
+  sudo_cmd=""
+  [ "$(id -u)" -eq 0 ] || sudo_cmd="sudo"
+  $sudo_cmd apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $sudo_cmd apt-get install -y -qq "${need_debs[@]}"
+fi
+
+[ -x .venv/bin/python ] || python3 -m venv .venv
+pip=(.venv/bin/python -m pip install -q --disable-pip-version-check)
+
+# torch: on a GPU machine keep/install a CUDA build; without a GPU pin the CPU
+# build (2.13.0). The sglang plugin tests need torchvision, which only imports
+# beside the torch 2.14.1 / torchvision 0.29.1 pair (see DESIGN.md).
+if [ "$mode" = test ]; then
+  .venv/bin/python -c "import torchvision" 2>/dev/null \
+    || "${pip[@]}" "torch==2.14.1" "torchvision==0.29.1"
+elif ! .venv/bin/python -c "import torch" 2>/dev/null; then
+  if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+    "${pip[@]}" torch
+  else
+    "${pip[@]}" "torch==2.13.0"
+  fi
+fi
+
+case "$mode" in
+  demo) "${pip[@]}" -e ".[mooncake,bench]" ;;
+  test)
+    "${pip[@]}" -e ".[test,mooncake,bench]"
+    "${pip[@]}" -r requirements/sglang-light.txt
+    "${pip[@]}" --no-deps "sglang==0.5.23"
+    ;;
+  *) echo "usage: scripts/setup.sh demo|test" >&2; exit 2 ;;
+esac

@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# Set up .venv for the tests, then lint and run the whole suite (no GPU needed:
+# without CUDA the Triton kernels run under the Triton interpreter).
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$root"
+bash scripts/setup.sh test
+.venv/bin/ruff check .
+.venv/bin/ruff format --check .
+.venv/bin/python -m pytest "$@"
