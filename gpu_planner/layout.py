@@ -26,6 +26,14 @@ def _as_int64(values: Sequence[int] | np.ndarray | torch.Tensor, name: str) -> n
     return array.astype(np.int64)
 
 
+def _to_device(values: np.ndarray, device: torch.device) -> torch.Tensor:
+    """Copy to `device`; to CUDA through pinned memory so the copy never blocks the host."""
+    tensor = torch.from_numpy(values)
+    if device.type != "cuda":
+        return tensor
+    return tensor.pin_memory().to(device, non_blocking=True)
+
+
 class BufferLayout:
     """The buffers of one prefill/decode peer pair, in layout (descriptor) order.
 
@@ -127,7 +135,7 @@ class BufferLayout:
                 "dst_lens": self.bound_limits("dst"),
             }
             self._device_tables[device] = {
-                name: torch.from_numpy(np.ascontiguousarray(values)).to(device)
+                name: _to_device(np.ascontiguousarray(values), device)
                 for name, values in host_tables.items()
             }
         return self._device_tables[device]

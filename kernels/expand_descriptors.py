@@ -90,7 +90,7 @@ def _expand_descriptors_kernel(
     if CHECK_BOUNDS:
         dst_over = run_in_range & (dst_offset + length > tl.load(dst_lens_ptr + buffer))
         src_over = run_in_range & (src_offset + length > tl.load(src_lens_ptr + buffer))
-        key = (buffer * capacity + run) * 2 + tl.where(dst_over, 0, 1)
+        key = (buffer.to(tl.int64) * capacity + run) * 2 + tl.where(dst_over, 0, 1)
         key = tl.where(dst_over | src_over, key, 9223372036854775807)
         tl.atomic_min(first_out_of_bounds_ptr, tl.min(key, axis=0))
 
