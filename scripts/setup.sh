@@ -20,28 +20,33 @@ if ((${#need_debs[@]})); then
 fi
 
 [ -x .venv/bin/python ] || python3 -m venv .venv
-pip=(.venv/bin/python -m pip install -q --disable-pip-version-check)
+pip_install() {
+  # This machine's pip config names local index folders that may not exist; drop
+  # those warnings, keep everything else.
+  .venv/bin/python -m pip install -q --disable-pip-version-check "$@" \
+    2> >(grep -v "^WARNING: Location 'file:" >&2)
+}
 
 # torch: on a GPU machine keep/install a CUDA build; without a GPU pin the CPU
 # build (2.13.0). The sglang plugin tests need torchvision, which only imports
 # beside the torch 2.14.1 / torchvision 0.29.1 pair (see DESIGN.md).
 if [ "$mode" = test ]; then
   .venv/bin/python -c "import torchvision" 2>/dev/null \
-    || "${pip[@]}" "torch==2.14.1" "torchvision==0.29.1"
+    || pip_install "torch==2.14.1" "torchvision==0.29.1"
 elif ! .venv/bin/python -c "import torch" 2>/dev/null; then
   if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
-    "${pip[@]}" torch
+    pip_install torch
   else
-    "${pip[@]}" "torch==2.13.0"
+    pip_install "torch==2.13.0"
   fi
 fi
 
 case "$mode" in
-  demo) "${pip[@]}" -e ".[mooncake,bench]" ;;
+  demo) pip_install -e ".[mooncake,bench]" ;;
   test)
-    "${pip[@]}" -e ".[test,mooncake,bench]"
-    "${pip[@]}" -r requirements/sglang-light.txt
-    "${pip[@]}" --no-deps "sglang==0.5.23"
+    pip_install -e ".[test,mooncake,bench]"
+    pip_install -r requirements/sglang-light.txt
+    pip_install --no-deps "sglang==0.5.23"
     ;;
   *) echo "usage: scripts/setup.sh demo|test" >&2; exit 2 ;;
 esac
