@@ -1,8 +1,8 @@
 """Timing harness: adaptive repeats, wall-clock or CUDA-event timers, and summary statistics.
 
 Samples run with the garbage collector off (as `timeit` does) so that a collection
-triggered by one planner's garbage is not billed to the next; it is collected once
-before each figure.
+triggered by one planner's garbage is not billed to another; it is collected once
+before each case.
 """
 
 from __future__ import annotations
@@ -46,6 +46,9 @@ class Timing:
         return dataclasses.asdict(self)
 
 
+Timer = Callable[[Callable[[], Any]], float]
+
+
 def wall_timer(fn: Callable[[], Any]) -> float:
     """Seconds of wall time for one call of `fn`."""
     start = time.perf_counter()
@@ -73,20 +76,43 @@ def cuda_wall_timer(fn: Callable[[], Any]) -> float:
     return time.perf_counter() - start
 
 
-def measure(
-    fn: Callable[[], Any],
-    policy: RepeatPolicy,
-    timer: Callable[[Callable[[], Any]], float] = wall_timer,
-) -> Timing:
-    """Time `fn` after one warm-up call, repeating it as often as `policy` allows."""
+@dataclasses.dataclass(frozen=True)
+class Stage:
+    """One timed figure: a call and the timer that times it."""
+
+    call: Callable[[], Any]
+    timer: Timer = wall_timer
+
+
+def _sample_rounds(wanted: int, rounds: int) -> list[bool]:
+    """Which of `rounds` rounds take a sample so that `wanted` samples spread evenly."""
+    return [(i * wanted) // rounds != ((i + 1) * wanted) // rounds for i in range(rounds)]
+
+
+def measure_interleaved(stages: dict[str, Stage], policy: RepeatPolicy) -> dict[str, Timing]:
+    """Time every stage after one warm-up call each, interleaving their samples.
+
+    Each stage gets as many samples as `policy` allows for its own speed; the
+    samples of all stages are spread over the same rounds, so a load change on
+    the machine hits every planner alike and their ratios stay meaningful.
+    """
     gc.collect()
     gc.disable()
     try:
-        warmup = timer(fn)
-        samples = [warmup] if warmup >= SLOW_CALL_S else []
-        wanted = int(policy.budget_s / max(warmup, 1e-9))
-        repeats = min(max(wanted, policy.min_repeats), policy.max_repeats)
-        samples += [timer(fn) for _ in range(repeats - len(samples))]
+        samples: dict[str, list[float]] = {}
+        needed: dict[str, int] = {}
+        for name, stage in stages.items():
+            warmup = stage.timer(stage.call)
+            samples[name] = [warmup] if warmup >= SLOW_CALL_S else []
+            wanted = int(policy.budget_s / max(warmup, 1e-9))
+            repeats = min(max(wanted, policy.min_repeats), policy.max_repeats)
+            needed[name] = repeats - len(samples[name])
+        rounds = max(needed.values(), default=0)
+        takes = {name: _sample_rounds(count, rounds) for name, count in needed.items()}
+        for round_index in range(rounds):
+            for name, stage in stages.items():
+                if takes[name][round_index]:
+                    samples[name].append(stage.timer(stage.call))
     finally:
         gc.enable()
-    return Timing.from_samples(samples)
+    return {name: Timing.from_samples(values) for name, values in samples.items()}

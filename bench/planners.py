@@ -15,7 +15,7 @@ import nvtx
 import torch
 
 import gpu_planner as gp
-from bench.harness import RepeatPolicy, Timing, cuda_event_timer, cuda_wall_timer, measure
+from bench.harness import Stage, cuda_event_timer, cuda_wall_timer
 from bench.inputs import BenchInput
 
 Batch = tuple[list[int], list[int], list[int]]
@@ -42,14 +42,15 @@ class Planner:
     def hand_off(self) -> list[Batch]:
         raise NotImplementedError
 
-    def measure_plan(self, policy: RepeatPolicy) -> Timing:
-        return measure(self.plan, policy)
+    def stages(self) -> dict[str, Stage]:
+        """The timed figures: hand-off, and plan when it differs from hand-off."""
+        stages = {"hand_off": Stage(self.hand_off)}
+        if not self.plan_is_hand_off:
+            stages["plan"] = Stage(self.plan)
+        return stages
 
-    def measure_hand_off(self, policy: RepeatPolicy) -> Timing:
-        return measure(self.hand_off, policy)
-
-    def extra_figures(self, policy: RepeatPolicy) -> dict[str, Any]:
-        """Backend-specific figures (GPU time, sync check); none by default."""
+    def extra_figures(self) -> dict[str, Any]:
+        """Untimed per-case facts (the CUDA sync check); none by default."""
         return {}
 
 
@@ -199,11 +200,12 @@ class GpuPlannerBackend(Planner):
 class CudaGpuPlannerBackend(GpuPlannerBackend):
     """Triton on CUDA: wall times with a drained stream, plus GPU time and the sync check."""
 
-    def measure_plan(self, policy: RepeatPolicy) -> Timing:
-        return measure(self.plan, policy, timer=cuda_wall_timer)
-
-    def measure_hand_off(self, policy: RepeatPolicy) -> Timing:
-        return measure(self.hand_off, policy, timer=cuda_wall_timer)
+    def stages(self) -> dict[str, Stage]:
+        return {
+            "hand_off": Stage(self.hand_off, cuda_wall_timer),
+            "plan": Stage(self.plan, cuda_wall_timer),
+            "gpu_plan_transfer": Stage(self.plan_transfer, cuda_event_timer),
+        }
 
     def no_host_sync_error(self) -> str | None:
         """Run `plan_transfer` with CUDA sync debugging set to error; the error text, if any."""
@@ -218,14 +220,9 @@ class CudaGpuPlannerBackend(GpuPlannerBackend):
         plan.num_descriptors  # noqa: B018  (the final copy may sync; it is outside error mode)
         return None
 
-    def extra_figures(self, policy: RepeatPolicy) -> dict[str, Any]:
+    def extra_figures(self) -> dict[str, Any]:
         sync_error = self.no_host_sync_error()
-        gpu_time = measure(self.plan_transfer, policy, timer=cuda_event_timer)
-        return {
-            "gpu_plan_transfer": gpu_time.as_dict(),
-            "no_host_sync": sync_error is None,
-            "sync_error": sync_error,
-        }
+        return {"no_host_sync": sync_error is None, "sync_error": sync_error}
 
 
 class ListFloor:
@@ -239,6 +236,9 @@ class ListFloor:
         self._lens = np.ascontiguousarray(plan.lengths.numpy())
         offsets = plan.batch_offsets.tolist()
         self._bounds = [(a, b) for a, b in zip(offsets[:-1], offsets[1:], strict=True) if b > a]
+
+    def stages(self) -> dict[str, Stage]:
+        return {"hand_off": Stage(self.hand_off)}
 
     def hand_off(self) -> list[Batch]:
         with nvtx_range("floor/tolist"):

@@ -20,7 +20,7 @@ if not __package__:  # run as a script (`python bench/run.py`): make `bench` imp
 import torch  # noqa: E402
 
 from bench.cases import default_cases, grid_cases, quick_cases, target_cases  # noqa: E402
-from bench.harness import RepeatPolicy, measure  # noqa: E402
+from bench.harness import RepeatPolicy, measure_interleaved  # noqa: E402
 from bench.inputs import BenchCase, make_input  # noqa: E402
 from bench.planners import (  # noqa: E402
     GpuPlannerBackend,
@@ -82,18 +82,20 @@ def _normalised(batches: list) -> list[tuple[list[int], list[int], list[int]]]:
     return [(list(srcs), list(dsts), list(lens)) for srcs, dsts, lens in batches]
 
 
-def _speedup(reference: dict[str, float], timing: dict[str, float]) -> float:
-    return reference["median"] / timing["median"]
+def _stage_key(owner: str, stage: str) -> str:
+    return f"{owner}/{stage}"
 
 
-def _time_planner(
-    planner: Planner, policy: RepeatPolicy
-) -> tuple[dict[str, Any], list[tuple[list[int], list[int], list[int]]]]:
-    """A planner's figures and its (untimed) descriptor lists."""
-    hand_off = planner.measure_hand_off(policy).as_dict()
-    plan = hand_off if planner.plan_is_hand_off else planner.measure_plan(policy).as_dict()
-    figures = {"plan": plan, "hand_off": hand_off, **planner.extra_figures(policy)}
-    return figures, _normalised(planner.hand_off())
+def _ratios(figures: dict[str, dict[str, Any]], reference: str, floor: dict[str, float]) -> None:
+    """Add each planner's speed-up over the reference and its hand-off over the floor."""
+    for planner_figures in figures.values():
+        for stage in ("plan", "hand_off"):
+            planner_figures[f"{stage}_speedup"] = (
+                figures[reference][stage]["median"] / planner_figures[stage]["median"]
+            )
+        planner_figures["hand_off_over_floor"] = (
+            planner_figures["hand_off"]["median"] / floor["median"]
+        )
 
 
 def run_case(
@@ -103,35 +105,36 @@ def run_case(
     seed: int,
     progress: ProgressBar,
 ) -> dict[str, Any]:
-    """Time every planner on one generated input and compare their descriptor lists."""
+    """Time every planner on one generated input, interleaved, and compare their lists."""
+    progress.show(f"{case.label} preparing")
     with nvtx_range(f"inputs {case.label}"):
         bench_input = make_input(case, seed)
-    figures: dict[str, dict[str, Any]] = {}
-    reference_batches = None
-    identical = True
-    floor = None
     for planner in planners:
-        progress.show(f"{case.label} {planner.name}")
         planner.prepare(bench_input)
-        figures[planner.name], batches = _time_planner(planner, policy)
-        if reference_batches is None:
-            reference_batches = batches
-        identical = identical and batches == reference_batches
-        if isinstance(planner, GpuPlannerBackend) and planner.backend == "cpu":
-            floor = ListFloor(planner.plan())
-        del batches
-    progress.show(f"{case.label} floor")
-    floor_timing = measure(floor.hand_off, policy).as_dict()
-    identical = identical and _normalised(floor.hand_off()) == reference_batches
-    reference = figures[planners[0].name]
-    for planner_figures in figures.values():
-        planner_figures["plan_speedup"] = _speedup(reference["plan"], planner_figures["plan"])
-        planner_figures["hand_off_speedup"] = _speedup(
-            reference["hand_off"], planner_figures["hand_off"]
-        )
-        planner_figures["hand_off_over_floor"] = (
-            planner_figures["hand_off"]["median"] / floor_timing["median"]
-        )
+    cpu_planner = next(p for p in planners if isinstance(p, GpuPlannerBackend))
+    floor = ListFloor(cpu_planner.plan())
+    stages = {
+        _stage_key(owner.name, stage_name): stage
+        for owner in [*planners, floor]
+        for stage_name, stage in owner.stages().items()
+    }
+    progress.show(f"{case.label} timing {len(stages)} stages")
+    timings = measure_interleaved(stages, policy)
+    progress.show(f"{case.label} checking descriptors")
+    reference_batches = _normalised(planners[0].hand_off())
+    identical = all(
+        _normalised(owner.hand_off()) == reference_batches for owner in [*planners[1:], floor]
+    )
+    figures: dict[str, dict[str, Any]] = {}
+    for planner in planners:
+        own = {
+            stage_name: timings[_stage_key(planner.name, stage_name)].as_dict()
+            for stage_name in planner.stages()
+        }
+        own.setdefault("plan", own["hand_off"])
+        figures[planner.name] = {**own, **planner.extra_figures()}
+    floor_timing = timings[_stage_key(floor.name, "hand_off")].as_dict()
+    _ratios(figures, planners[0].name, floor_timing)
     progress.advance()
     return {
         "case": dataclasses.asdict(case),
@@ -150,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     with_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     cases = select_cases(args)
-    policy = RepeatPolicy(args.budget, args.min_repeats, args.max_repeats)
+    policy = RepeatPolicy(args.budget, max(args.min_repeats, 1), args.max_repeats)
     started = time.perf_counter()
     planners = make_planners(args.reference, with_cuda=with_cuda)
     setup_s = time.perf_counter() - started
