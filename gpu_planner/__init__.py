@@ -9,6 +9,7 @@ from gpu_planner import reference
 from gpu_planner.errors import BoundsError, PlanValidationError
 from gpu_planner.layout import BufferLayout
 from gpu_planner.pages import PageIndices, kv_to_page_indices, page_indices
+from gpu_planner.pending import PendingPageIndices, page_indices_async
 from gpu_planner.plan import TransferPlan, plan_transfer
 from gpu_planner.runs import RunList, Runs, group_runs
 
@@ -16,6 +17,7 @@ __all__ = [
     "BoundsError",
     "BufferLayout",
     "PageIndices",
+    "PendingPageIndices",
     "PlanValidationError",
     "RunList",
     "Runs",
@@ -23,6 +25,7 @@ __all__ = [
     "group_runs",
     "kv_to_page_indices",
     "page_indices",
+    "page_indices_async",
     "plan_transfer",
     "reference",
 ]

@@ -1,0 +1,76 @@
+"""Decode-side page indices on their way to host memory, without a device-wide sync.
+
+The decode worker converts a request's token slots to pages in both index
+spaces and serialises them into its ZMQ metadata frames. On CUDA,
+`page_indices_async` launches the conversion, starts one copy of both page
+arrays into reusable pinned memory and records an event; serialising waits on
+that event alone, so the scheduler never synchronises the device or a stream.
+The same API runs on CPU tensors, where the pages are ready at once.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from gpu_planner.inputs import Backend, IndexLike
+from gpu_planner.pages import PageIndices, page_indices
+from gpu_planner.staging import copy_to_host_async
+
+
+def _as_numpy(pages: torch.Tensor | np.ndarray) -> np.ndarray:
+    return pages.numpy() if isinstance(pages, torch.Tensor) else pages
+
+
+class PendingPageIndices:
+    """A request's host- and device-space pages, computed, and copied to host memory.
+
+    `on_device` holds the pages where they were computed (plan with them on
+    that device); `wait()` and `numpy()` return the host copies once the copy
+    event has completed.
+    """
+
+    def __init__(
+        self, on_device: PageIndices, host: PageIndices, copied: torch.cuda.Event | None
+    ) -> None:
+        self.on_device = on_device
+        self._host = host
+        self._copied = copied
+
+    def ready(self) -> bool:
+        """Whether the host copies are complete (never blocks)."""
+        return self._copied is None or self._copied.query()
+
+    def wait(self) -> PageIndices:
+        """The host pages (CPU tensors; NumPy arrays for NumPy input), after the copy event."""
+        if self._copied is not None:
+            self._copied.synchronize()
+        return self._host
+
+    def numpy(self) -> PageIndices:
+        """The host pages as NumPy arrays (views of the host copies), after the copy event."""
+        host = self.wait()
+        return PageIndices(host=_as_numpy(host.host), device=_as_numpy(host.device))
+
+
+def page_indices_async(
+    req_to_token_row: IndexLike,
+    host_slots: IndexLike,
+    start: int,
+    end: int,
+    page_size: int,
+    backend: Backend | None = None,
+) -> PendingPageIndices:
+    """`page_indices` whose host copies arrive in the background: `.wait()` / `.numpy()`.
+
+    Same arguments, checks and results as `gp.page_indices`. On CUDA it is one
+    kernel launch, then one pinned copy per space and an event, all on the
+    current stream; on CPU the result is complete when this returns.
+    """
+    pages = page_indices(req_to_token_row, host_slots, start, end, page_size, backend)
+    (host, device), copied = copy_to_host_async(
+        [torch.as_tensor(pages.host), torch.as_tensor(pages.device)]
+    )
+    if copied is None:
+        return PendingPageIndices(pages, pages, None)
+    return PendingPageIndices(pages, PageIndices(host=host, device=device), copied)
