@@ -49,7 +49,11 @@ def register() -> None:
         PAGES_TARGET: (sglang_pages.kv_to_page_indices_hook, sglang_pages.HOOKED_PARAMETERS),
     }
     for target, (hook, expected) in hooks.items():
-        found = function_parameters(pkgutil.resolve_name(target))
+        try:
+            found = function_parameters(pkgutil.resolve_name(target))
+        except (ImportError, AttributeError) as error:
+            log_fallback_once(f"{target} is not in this sglang ({error})")
+            continue
         if found != expected:
             log_fallback_once(
                 f"{target} has parameters {found}, not the {expected} of sglang 0.5.23"

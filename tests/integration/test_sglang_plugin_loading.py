@@ -74,6 +74,17 @@ def test_other_signature_is_left_to_sglang(fresh_registry, monkeypatch, caplog):
     assert "bootstrap_room" in record.getMessage()
 
 
+def test_missing_target_is_left_to_sglang(fresh_registry, monkeypatch, caplog):
+    """A sglang without the send method keeps its own code; the other hook still registers."""
+    monkeypatch.delenv("GPU_PLANNER_DISABLE", raising=False)
+    missing = SEND_TARGET.replace("_send_kvcache_generic", "_send_kvcache_renamed")
+    monkeypatch.setattr(sglang_plugin, "SEND_TARGET", missing)
+    with caplog.at_level(logging.INFO, logger=PLUGIN_LOGGER):
+        sglang_plugin.register()
+    assert list(fresh_registry._hooks) == [PAGES_TARGET]
+    assert f"{missing} is not in this sglang" in caplog.text
+
+
 def test_fallback_is_logged_once(fresh_registry, caplog):
     """Inputs sglang itself rejects are handed back to it; the reason is logged once."""
     manager = make_manager(RecordingEngine(), mla=True)
