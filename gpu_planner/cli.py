@@ -18,7 +18,7 @@ _DEMO_HELP = {
     "host_pool_factor": "host-space (and prefill) pool size, in request sizes",
     "device_pool_factor": "device-space pool size, in request sizes",
     "planner": "gpu = gpu_planner (auto backend); reference = sglang-style Python loop",
-    "mode": "push = prefill plans and writes (sglang's model)",
+    "mode": "push = prefill plans and writes (sglang's model); pull = decode plans and reads",
     "buffer_workers": "submit one call per buffer on this many threads (0 = one call per batch)",
     "seed": "allocator seed",
     "timeout_s": "bound on each wait: metadata, each Mooncake batch, verification",
@@ -26,7 +26,8 @@ _DEMO_HELP = {
 
 
 def _demo_parser(subparsers) -> None:
-    from gpu_planner.integration.demo import MODES, PLANNERS, DemoConfig
+    from gpu_planner.integration.demo import MODES
+    from gpu_planner.integration.demo_config import PLANNERS, DemoConfig
 
     parser = subparsers.add_parser(
         "demo",
@@ -46,7 +47,8 @@ def _demo_parser(subparsers) -> None:
 
 
 def _run_demo(args: argparse.Namespace) -> int:
-    from gpu_planner.integration.demo import DemoConfig, format_report, run_demo
+    from gpu_planner.integration.demo import format_report, run_demo
+    from gpu_planner.integration.demo_config import DemoConfig
 
     names = [config_field.name for config_field in dataclasses.fields(DemoConfig)]
     try:

@@ -1,6 +1,7 @@
-"""Decode-side ZMQ metadata frames in sglang 0.5.23's Mooncake layouts.
+"""ZMQ metadata frames: decode-side ones in sglang 0.5.23's Mooncake layouts, and pull's.
 
-Two messages go from decode to prefill, as in sglang's `MooncakeKVReceiver`:
+Push (sglang's model): two messages go from decode to prefill, as in sglang's
+`MooncakeKVReceiver`:
 - `KVRegistration` (once per peer; room frame `b"None"`): the decode KV buffers.
   Frames 0-19 follow `KVArgsRegisterInfo.from_zmq`; frames 20-21 add what the
   planner's bounds check and space choice need (registered byte lengths and
@@ -8,6 +9,9 @@ Two messages go from decode to prefill, as in sglang's `MooncakeKVReceiver`:
 - `TransferRequest` (per request): the destination pages, frames as
   `TransferInfo.from_zmq` reads them: host pages as int32 bytes in frame 4,
   device pages as int32 bytes in frame 9.
+
+Pull (decode plans and reads): prefill sends decode its own `KVRegistration`
+(its source buffers) once, and `SourcePages` per request.
 """
 
 from __future__ import annotations
@@ -17,6 +21,8 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+
+from gpu_planner.pending import PendingPageIndices
 
 REGISTRATION_ROOM = b"None"
 _INT32_MAX = np.iinfo(np.int32).max
@@ -129,6 +135,20 @@ class TransferRequest:
     required_dst_info_num: int = 1
     decode_prefix_len: int = 0
 
+    @classmethod
+    def for_pages(
+        cls, pages: PendingPageIndices, *, with_device_pages: bool, **fields
+    ) -> TransferRequest:
+        """A request for pages still on their way to host memory: waits on their copy alone.
+
+        `with_device_pages` is whether the decode side has device-backed
+        buffers (sglang sends frame 9 only then); `fields` are the other fields.
+        """
+        host = pages.numpy()
+        return cls(
+            host_pages=host.host, device_pages=host.device if with_device_pages else None, **fields
+        )
+
     def to_frames(self) -> list[bytes]:
         """The ten frames of sglang's `build_receiver_metadata_message` (non-dummy request)."""
         device = self.device_pages
@@ -168,4 +188,28 @@ class TransferRequest:
             aux_index=int(frames[5]),
             required_dst_info_num=int(frames[7]),
             decode_prefix_len=int(frames[8]),
+        )
+
+
+@dataclass(frozen=True)
+class SourcePages:
+    """Pull: one request's prefill-side source pages, sent to the decode side that reads them."""
+
+    room: int
+    session_id: str
+    pages: np.ndarray
+
+    def to_frames(self) -> list[bytes]:
+        return [
+            _ascii(self.room),
+            self.session_id.encode("ascii"),
+            pages_to_int32_bytes(self.pages, "pages"),
+        ]
+
+    @classmethod
+    def from_frames(cls, frames: list[bytes]) -> SourcePages:
+        if len(frames) != 3:
+            raise ValueError(f"not a source-pages message: {len(frames)} frames")
+        return cls(
+            room=int(frames[0]), session_id=frames[1].decode("ascii"), pages=_int32_pages(frames[2])
         )

@@ -1,13 +1,19 @@
-"""Mooncake send loop: one `batch_transfer_sync_write` per plan batch, in order, bounded in time.
+"""Mooncake submit loop: one call per plan batch, in order, bounded in time, in either direction.
+
+Push (`MooncakeSender`, sglang's model): the prefill side writes its sources
+into the decode side's destinations with `batch_transfer_sync_write`. Pull
+(`MooncakeReader`): the decode side reads the prefill side's sources into its
+own destinations with `batch_transfer_sync_read`. A plan's (src, dst, len)
+triples are the same in both; only which end is local changes.
 
 Mooncake's own failure behaviour over TCP (measured with 0.3.13, see the tests):
 a peer that has exited (connection refused or reset) fails the call with -1
 within milliseconds, but a peer that is alive and stalled (stopped, swapped
 out, wedged) keeps a synchronous call blocked for `MC_TCP_PROGRESS_TIMEOUT_SEC`
 (30 s) per stalled slice, one after another: minutes for a large batch. So the
-sender submits each batch from a worker thread and waits at most
+loop submits each batch from a worker thread and waits at most
 `batch_timeout_s` for it; on expiry it raises `TransferTimeoutError` while the
-abandoned call finishes (or fails) inside Mooncake in the background. Source
+abandoned call finishes (or fails) inside Mooncake in the background. Local
 buffers must stay registered until then.
 
 Mooncake's TCP transport also rejects a call with more descriptors than its
@@ -19,6 +25,7 @@ sglang-sized batches (1024 pages x 61 buffers x runs) exceed that, so
 
 from __future__ import annotations
 
+import abc
 import concurrent.futures
 import os
 from collections.abc import Iterable, Iterator
@@ -94,14 +101,18 @@ def _batches_of_buffer_pieces(pieces: Iterable[BufferPiece]) -> Iterator[list[Bu
         yield batch
 
 
-class MooncakeSender:
-    """Submits a plan's batches to one peer, stopping at the first failed batch.
+class MooncakeTransfer(abc.ABC):
+    """Submits a plan's batches between the local engine and a peer; stops at the first failure.
 
-    `buffer_workers > 0` submits each batch as one call per buffer through a
-    thread pool of that size (sglang's custom-memory-pool path); the batch
-    completes when all its buffers have. `batch_timeout_s=None` waits without
-    bound (and submits from the calling thread when there are no buffer workers).
+    `MooncakeSender` writes and `MooncakeReader` reads; both share this loop
+    and its error semantics. `buffer_workers > 0` submits each batch as one
+    call per buffer through a thread pool of that size (sglang's
+    custom-memory-pool path); the batch completes when all its buffers have.
+    `batch_timeout_s=None` waits without bound (and submits from the calling
+    thread when there are no buffer workers).
     """
+
+    operation = "transfer with"  # how error messages name the direction
 
     def __init__(
         self,
@@ -121,7 +132,7 @@ class MooncakeSender:
         self.batch_timeout_s = batch_timeout_s
         self._pool = self._new_pool() if buffer_workers or batch_timeout_s is not None else None
 
-    def __enter__(self) -> MooncakeSender:
+    def __enter__(self):
         return self
 
     def __exit__(self, *exc_info) -> None:
@@ -129,7 +140,7 @@ class MooncakeSender:
 
     def _new_pool(self) -> concurrent.futures.ThreadPoolExecutor:
         return concurrent.futures.ThreadPoolExecutor(
-            max_workers=max(self.buffer_workers, 1), thread_name_prefix="gpu-planner-send"
+            max_workers=max(self.buffer_workers, 1), thread_name_prefix="gpu-planner-mooncake"
         )
 
     def close(self) -> None:
@@ -138,62 +149,82 @@ class MooncakeSender:
             self._pool.shutdown(wait=False, cancel_futures=True)
             self._pool = None
 
-    def send(self, plan: TransferPlan) -> int:
-        """Submit every batch of `plan`; return the bytes written. Raises `TransferError`."""
+    def submit(self, plan: TransferPlan) -> int:
+        """Submit every batch of `plan`; return the bytes moved. Raises `TransferError`."""
         if self.buffer_workers:
-            return self.send_buffer_batches(plan.buffer_batches())
-        return self.send_batches(plan.batches())
+            return self.submit_buffer_batches(plan.buffer_batches())
+        return self.submit_batches(plan.batches())
 
-    def send_batches(self, batches: Iterable[Batch]) -> int:
+    def submit_batches(self, batches: Iterable[Batch]) -> int:
         """Submit precomputed (srcs, dsts, lens) batches, one Mooncake call each, in order."""
-        return self._send_groups([(-1, *batch)] for batch in batches)
+        return self._submit_groups([(-1, *batch)] for batch in batches)
 
-    def send_buffer_batches(self, pieces: Iterable[BufferPiece]) -> int:
+    def submit_buffer_batches(self, pieces: Iterable[BufferPiece]) -> int:
         """Submit (buffer, srcs, dsts, lens) pieces in plan order, one call per piece.
 
         The pieces of one batch run concurrently on the buffer workers; the next
         batch starts when all of them have succeeded.
         """
-        return self._send_groups(_batches_of_buffer_pieces(pieces))
+        return self._submit_groups(_batches_of_buffer_pieces(pieces))
 
-    def _send_groups(self, groups: Iterable[list[BufferPiece]]) -> int:
+    def _submit_groups(self, groups: Iterable[list[BufferPiece]]) -> int:
         confirmed = 0
-        with nvtx_range("gpu_planner.send"):
+        with nvtx_range(f"gpu_planner.{type(self).__name__}"):
             for index, pieces in enumerate(groups):
                 nbytes = sum(sum(piece[3]) for piece in pieces)
                 with nvtx_range(f"gpu_planner.batch {index}"):
-                    status = self._submit(pieces, index, confirmed)
+                    status = self._submit_group(pieces, index, confirmed)
                 if status != 0:
                     descriptors = sum(len(piece[3]) for piece in pieces)
                     raise TransferError(
-                        f"Mooncake batch {index} to {self.peer} failed with status {status} "
-                        f"({descriptors} descriptors, {nbytes} bytes); {confirmed} bytes of "
-                        f"the {index} earlier batches were confirmed, later batches not submitted",
+                        f"Mooncake batch {index} ({self.operation} {self.peer}) failed with "
+                        f"status {status} ({descriptors} descriptors, {nbytes} bytes); {confirmed} "
+                        f"bytes of the {index} earlier batches were confirmed, later batches not "
+                        "submitted",
                         batch_index=index,
                         confirmed_bytes=confirmed,
                     )
                 confirmed += nbytes
         return confirmed
 
-    def _submit(self, pieces: list[BufferPiece], index: int, confirmed: int) -> int:
+    def _submit_group(self, pieces: list[BufferPiece], index: int, confirmed: int) -> int:
         """Run one batch's calls; the first non-zero status, or 0."""
         if self._pool is None:
-            return self._write(pieces[0])
-        futures = [self._pool.submit(self._write, piece) for piece in pieces]
+            return self._call(*pieces[0][1:])
+        futures = [self._pool.submit(self._call, *piece[1:]) for piece in pieces]
         _, pending = concurrent.futures.wait(futures, timeout=self.batch_timeout_s)
         if pending:
             # The stuck calls keep their threads; later batches get fresh ones.
             self.close()
             self._pool = self._new_pool()
             raise TransferTimeoutError(
-                f"Mooncake batch {index} to {self.peer}: {len(pending)} of {len(futures)} calls "
-                f"still running after {self.batch_timeout_s} s (is the peer stalled?); "
-                f"{confirmed} bytes of the {index} earlier batches were confirmed",
+                f"Mooncake batch {index} ({self.operation} {self.peer}): {len(pending)} of "
+                f"{len(futures)} calls still running after {self.batch_timeout_s} s (is the peer "
+                f"stalled?); {confirmed} bytes of the {index} earlier batches were confirmed",
                 batch_index=index,
                 confirmed_bytes=confirmed,
             )
         return next((status for status in (f.result() for f in futures) if status != 0), 0)
 
-    def _write(self, piece: BufferPiece) -> int:
-        _, srcs, dsts, lens = piece
+    @abc.abstractmethod
+    def _call(self, srcs: list[int], dsts: list[int], lens: list[int]) -> int:
+        """One Mooncake call for (srcs, dsts, lens) in the plan's convention; its status."""
+
+
+class MooncakeSender(MooncakeTransfer):
+    """Push: writes the plan's sources (local memory) into its destinations (the peer's)."""
+
+    operation = "write to"
+
+    def _call(self, srcs: list[int], dsts: list[int], lens: list[int]) -> int:
         return self.engine.batch_transfer_sync_write(self.peer, srcs, dsts, lens)
+
+
+class MooncakeReader(MooncakeTransfer):
+    """Pull: reads the plan's sources (the peer's memory) into its destinations (local)."""
+
+    operation = "read from"
+
+    def _call(self, srcs: list[int], dsts: list[int], lens: list[int]) -> int:
+        # Mooncake's read takes the local buffers first, then the peer's addresses.
+        return self.engine.batch_transfer_sync_read(self.peer, dsts, srcs, lens)

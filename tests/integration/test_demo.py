@@ -1,7 +1,8 @@
-"""The two-process demo end to end: real Mooncake transfers, every byte verified."""
+"""The two-process demo end to end, push and pull: real Mooncake transfers, every byte verified."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import subprocess
@@ -20,8 +21,10 @@ SCENARIOS = {
 }
 
 
+@pytest.mark.parametrize("mode", ["push", "pull"])
 @pytest.mark.parametrize("config", SCENARIOS.values(), ids=SCENARIOS.keys())
-def test_demo_moves_and_verifies_every_byte(config):
+def test_demo_moves_and_verifies_every_byte(config, mode):
+    config = dataclasses.replace(config, mode=mode)
     report = run_demo(config)
     assert report.ok, format_report(report)
     pages = config.num_pages
@@ -55,11 +58,13 @@ def _cli(*arguments: str) -> subprocess.CompletedProcess:
 
 
 def test_cli_demo_prints_the_table_and_exits_zero():
+    # Pull here: run_demo covers push, the default, in every scenario above.
     result = _cli(
         *("--buffers", "4", "--tokens", "256", "--page-size", "8", "--item-len", "64"),
-        *("--max-batch-pages", "5", "--planner", "gpu", "--mode", "push", "--seed", "3"),
+        *("--max-batch-pages", "5", "--planner", "gpu", "--mode", "pull", "--seed", "3"),
     )
     assert result.returncode == 0, result.stdout + result.stderr
+    assert re.search(r"^mode / planner\s+pull / gpu_planner \(\w+\) on decode", result.stdout, re.M)
     for row in ("pages", "runs host / device", "descriptors", "plan time", "submit time"):
         assert row in result.stdout
     assert re.search(r"^verification\s+OK", result.stdout, re.MULTILINE)

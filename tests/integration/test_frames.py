@@ -6,9 +6,12 @@ import warnings
 
 import numpy as np
 import pytest
-from gpu_planner.integration.frames import KVRegistration, TransferRequest
+import torch
+from gpu_planner.integration.frames import KVRegistration, SourcePages, TransferRequest
 from hypothesis import given
 from hypothesis import strategies as st
+
+import gpu_planner as gp
 
 page_arrays = st.lists(st.integers(0, 2**31 - 1), max_size=64).map(
     lambda pages: np.array(pages, dtype=np.int64)
@@ -127,3 +130,30 @@ def test_frames_of_the_other_message_are_refused():
         TransferRequest.from_frames(_registration().to_frames())
     with pytest.raises(ValueError, match="not a gpu_planner KV registration"):
         KVRegistration.from_frames(_request(np.arange(3), None).to_frames())
+
+
+@given(pages=page_arrays)
+def test_source_pages_round_trip(pages):
+    parsed = SourcePages.from_frames(SourcePages(7, "127.0.0.1:15125", pages).to_frames())
+    np.testing.assert_array_equal(parsed.pages, pages)
+    assert (parsed.room, parsed.session_id) == (7, "127.0.0.1:15125")
+    with pytest.raises(ValueError, match="not a source-pages message"):
+        SourcePages.from_frames(_request(pages, None).to_frames())
+
+
+@pytest.mark.parametrize("with_device", [True, False], ids=["hisparse", "host-only"])
+def test_transfer_request_for_pending_pages(with_device):
+    rng = np.random.default_rng(4)
+    device_slots, host_slots = rng.permutation(400)[:90], rng.permutation(900)[:90]
+    pending = gp.page_indices_async(
+        torch.from_numpy(device_slots), torch.from_numpy(host_slots), 2, 90, 8
+    )
+    fields = {"room": 3, "endpoint": "127.0.0.1", "port": 17003, "session_id": "127.0.0.1:1"}
+    request = TransferRequest.for_pages(pending, with_device_pages=with_device, **fields)
+    parsed = TransferRequest.from_frames(request.to_frames())
+    np.testing.assert_array_equal(parsed.host_pages, host_slots[2:90:8] // 8)
+    if with_device:
+        np.testing.assert_array_equal(parsed.device_pages, device_slots[2:90:8] // 8)
+    else:
+        assert parsed.device_pages is None
+    assert (parsed.room, parsed.port) == (3, 17003)

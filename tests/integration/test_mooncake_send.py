@@ -1,20 +1,28 @@
-"""MooncakeSender against a real decode process: order, bounds, the HiSparse bug class, faults."""
+"""MooncakeSender against a real decode process: order, bounds, the HiSparse bug class, faults.
+
+The loop is shared with MooncakeReader: the engine-free tests run both.
+"""
 
 from __future__ import annotations
 
-import functools
-import os
-import signal
 import threading
 
 import numpy as np
 import pytest
 from gpu_planner.integration.mooncake import (
+    MooncakeReader,
     MooncakeSender,
     TransferError,
     TransferTimeoutError,
 )
-from mooncake_demo_support import HookedEngine, decode_peer, small_config
+from mooncake_demo_support import (
+    HookedEngine,
+    decode_peer,
+    faulty_transfer,
+    kill_process,
+    small_config,
+    stop_process,
+)
 
 import gpu_planner as gp
 
@@ -30,13 +38,13 @@ def test_send_submits_each_batch_in_order_and_the_bytes_arrive():
         assert plan.num_batches > 1
         engine = HookedEngine(peer.prefill.engine)
         with MooncakeSender(engine, request.session_id) as sender:
-            assert sender.send(plan) == plan.total_bytes
+            assert sender.submit(plan) == plan.total_bytes
         assert engine.calls == list(plan.batches())
 
         # Per-buffer submission writes the same bytes again, one call per (batch, buffer).
         engine.calls.clear()
         with MooncakeSender(engine, request.session_id, buffer_workers=3) as sender:
-            assert sender.send(plan) == plan.total_bytes
+            assert sender.submit(plan) == plan.total_bytes
         pieces = [tuple(piece[1:]) for piece in plan.buffer_batches()]
         assert sorted(engine.calls) == sorted(pieces)
 
@@ -84,40 +92,15 @@ def test_host_pages_for_device_buffers_fail_verification_when_they_fit():
         assert not np.array_equal(request.host_pages, request.device_pages)
         plan = peer.plan(request.host_pages, request.host_pages, max_batch_pages=7)
         with MooncakeSender(peer.prefill.engine, request.session_id) as sender:
-            sender.send(plan)
+            sender.submit(plan)
         verification = peer.prefill.finish(request)
     assert not verification.ok
     assert verification.bad_pages > 0  # device pages that should have the KV do not
     assert verification.changed_pages > 0  # device pages outside the request were overwritten
 
 
-def _kill(process) -> None:
-    os.kill(process.pid, signal.SIGKILL)
-    process.join()
-
-
-def _stop(process) -> None:
-    os.kill(process.pid, signal.SIGSTOP)
-
-
-def _faulty_transfer(fault):
-    """Apply `fault` to the decode process as batch 3 starts; return the plan and the error."""
-    config = small_config(buffers=4, item_len=16384, max_batch_pages=4, timeout_s=20.0)
-    with decode_peer(config) as peer:
-        request = peer.request
-        plan = peer.plan(request.host_pages, request.device_pages, max_batch_pages=4)
-        hook = functools.partial(fault, peer.process)
-        engine = HookedEngine(peer.prefill.engine, at_call=3, hook=hook)
-        with (
-            MooncakeSender(engine, request.session_id, batch_timeout_s=2.0) as sender,
-            pytest.raises(TransferError) as caught,
-        ):
-            sender.send(plan)
-    return plan, caught.value
-
-
 def test_decode_killed_mid_transfer_fails_the_batch_and_stops():
-    plan, error = _faulty_transfer(_kill)
+    plan, error = faulty_transfer(decode_peer, MooncakeSender, kill_process)
     batches = list(plan.batches())
     assert len(batches) > 4
     # Mooncake itself reports the dead peer (connection refused/reset): not our time bound.
@@ -129,14 +112,14 @@ def test_decode_killed_mid_transfer_fails_the_batch_and_stops():
 
 def test_stalled_decode_is_bounded_by_the_batch_timeout():
     # A stopped peer keeps its sockets open: Mooncake would wait 30 s per slice.
-    plan, error = _faulty_transfer(_stop)
+    plan, error = faulty_transfer(decode_peer, MooncakeSender, stop_process)
     assert isinstance(error, TransferTimeoutError)
     assert error.batch_index == 3
     assert error.confirmed_bytes == sum(_batch_bytes(list(plan.batches())[:3]))
 
 
 class _FailingEngine:
-    """Records calls (no bytes move) and fails call number `fail_at`."""
+    """Records calls (no bytes move) and fails call number `fail_at`; writes and reads alike."""
 
     def __init__(self, fail_at: int) -> None:
         self.fail_at = fail_at
@@ -149,18 +132,24 @@ class _FailingEngine:
             number = len(self.calls) - 1
         return -7 if number == self.fail_at else 0
 
+    batch_transfer_sync_read = batch_transfer_sync_write
 
+
+@pytest.mark.parametrize("transfer", [MooncakeSender, MooncakeReader])
 @pytest.mark.parametrize("buffer_workers", [0, 2])
-def test_send_stops_at_the_first_failed_batch(buffer_workers):
+def test_submit_stops_at_the_first_failed_batch(transfer, buffer_workers):
     src = np.arange(40)
     layout = gp.BufferLayout([0, 1 << 30], [0, 1 << 30], [64, 32], dst_is_device=[False, True])
     plan = gp.plan_transfer(src, src[::-1].copy(), layout, src + 5, max_batch_pages=8)
     fail_batch = 2
     calls_per_batch = 2 if buffer_workers else 1
     engine = _FailingEngine(fail_at=fail_batch * calls_per_batch)
-    sender = MooncakeSender(engine, "peer", buffer_workers=buffer_workers, batch_timeout_s=None)
-    with sender, pytest.raises(TransferError, match="status -7") as caught:
-        sender.send(plan)
+    submitter = transfer(engine, "peer", buffer_workers=buffer_workers, batch_timeout_s=None)
+    with (
+        submitter,
+        pytest.raises(TransferError, match=f"{submitter.operation} peer.*status -7") as caught,
+    ):
+        submitter.submit(plan)
     assert caught.value.batch_index == fail_batch
     assert caught.value.confirmed_bytes == sum(_batch_bytes(list(plan.batches())[:fail_batch]))
     assert len(engine.calls) == (fail_batch + 1) * calls_per_batch  # nothing after the failure
@@ -179,5 +168,5 @@ def test_empty_plan_makes_no_call():
     empty = np.empty(0, dtype=np.int64)
     engine = _FailingEngine(fail_at=0)
     with MooncakeSender(engine, "peer") as sender:
-        assert sender.send(gp.plan_transfer(empty, empty, layout)) == 0
+        assert sender.submit(gp.plan_transfer(empty, empty, layout)) == 0
     assert engine.calls == []

@@ -1,0 +1,330 @@
+"""The demo's two processes' common parts: registered buffers, ZMQ messages, planning, submitting.
+
+Each side has its own Mooncake engine (TCP, P2P handshake) with its KV
+buffers registered and filled with the demo pattern, and a ZMQ inbox. The
+decode side owns destination buffers in two page spaces and checks them; the
+prefill side owns the source buffers and the request's source pages. Which
+side plans and submits is the transfer mode's business (`demo.MODES`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import multiprocessing
+import time
+from collections.abc import Callable
+
+import numpy as np
+import torch
+import zmq
+from gpu_planner.integration.demo_buffers import (
+    DECODE_SIDE,
+    PREFILL_SIDE,
+    KVBuffer,
+    Verification,
+    fragmented_pages,
+    verify_buffer,
+)
+from gpu_planner.integration.demo_config import DemoConfig, index_device
+from gpu_planner.integration.frames import (
+    KVRegistration,
+    SourcePages,
+    TransferRequest,
+    pages_to_int32_bytes,
+)
+from gpu_planner.integration.mooncake import (
+    LOCALHOST,
+    MooncakeTransfer,
+    nvtx_range,
+    register_buffer,
+    session_id,
+    start_engine,
+)
+
+import gpu_planner as gp
+
+DONE, FAILED, VERIFIED = b"done", b"failed", b"verified"
+ROOM = 1
+_POLL_S = 0.1
+
+PageArray = np.ndarray | torch.Tensor
+
+
+def _token_slots(pages: np.ndarray, tokens: int, page_size: int) -> torch.Tensor:
+    """The token slots of a request holding `pages`, as an allocator's row lists them."""
+    slots = pages[:, None] * page_size + np.arange(page_size)[None, :]
+    return torch.from_numpy(slots.reshape(-1)[:tokens]).to(index_device())
+
+
+class Side:
+    """What both processes have: an engine, registered pattern-filled buffers, a ZMQ inbox."""
+
+    def __init__(
+        self, config: DemoConfig, side: int, pool_pages: list[int], is_device: list[bool]
+    ) -> None:
+        self.config = config
+        self.is_device = is_device
+        self.engine = start_engine()
+        self.buffers = [
+            KVBuffer(side, index, pages, config.item_len) for index, pages in enumerate(pool_pages)
+        ]
+        for buffer in self.buffers:
+            register_buffer(self.engine, buffer.ptr, buffer.nbytes)
+        self.session_id = session_id(self.engine)
+        self.zmq = zmq.Context()
+        self.inbox = self.zmq.socket(zmq.PULL)
+        self.port = self.inbox.bind_to_random_port(f"tcp://{LOCALHOST}")
+        self.peer_process: multiprocessing.Process | None = None
+
+    def registration(self) -> KVRegistration:
+        """This side's buffers, in layout order, and where to reach it."""
+        return KVRegistration(
+            endpoint=LOCALHOST,
+            port=self.port,
+            session_id=self.session_id,
+            ptrs=[buffer.ptr for buffer in self.buffers],
+            item_lens=[buffer.item_len for buffer in self.buffers],
+            lens=[buffer.nbytes for buffer in self.buffers],
+            is_device=self.is_device,
+        )
+
+    def spawn_peer(self, target: Callable[[DemoConfig, int], None]) -> multiprocessing.Process:
+        """Start the other side's process (spawned: no state inherited from this one)."""
+        process = multiprocessing.get_context("spawn").Process(
+            target=target, args=(self.config, self.port), daemon=True
+        )
+        process.start()
+        self.peer_process = process
+        return process
+
+    def outbox(self, endpoint: str, port: int) -> zmq.Socket:
+        socket = self.zmq.socket(zmq.PUSH)
+        socket.connect(f"tcp://{endpoint}:{port}")
+        return socket
+
+    def receive(self, waiting_for: str) -> list[bytes]:
+        """The next message, within `timeout_s`; fails early when the peer process has exited."""
+        deadline = time.monotonic() + self.config.timeout_s
+        while not self.inbox.poll(int(_POLL_S * 1000)):
+            peer = self.peer_process
+            if peer is not None and not peer.is_alive():
+                raise RuntimeError(f"peer process exited ({peer.exitcode}) before {waiting_for}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no {waiting_for} within {self.config.timeout_s} s")
+        return self.inbox.recv_multipart()
+
+    def close(self) -> None:
+        self.zmq.destroy(linger=0)
+        for buffer in self.buffers:
+            self.engine.unregister_memory(buffer.ptr)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+
+class DecodeSide(Side):
+    """The decode process: destination buffers in two page spaces, their pages, the checker."""
+
+    def __init__(self, config: DemoConfig) -> None:
+        pools = {False: config.pool_pages(config.host_pool_factor)}
+        pools[True] = config.pool_pages(config.device_pool_factor)
+        is_device = config.is_device
+        super().__init__(config, DECODE_SIDE, [pools[flag] for flag in is_device], is_device)
+        rng = np.random.default_rng([config.seed, DECODE_SIDE])
+        host = fragmented_pages(pools[False], config.num_pages, config.mean_run, rng)
+        device = fragmented_pages(pools[True], config.num_pages, config.mean_run, rng)
+        self.pages = gp.page_indices_async(
+            _token_slots(device, config.tokens, config.page_size),
+            _token_slots(host, config.tokens, config.page_size),
+            0,
+            config.tokens,
+            config.page_size,
+        )
+
+    @property
+    def has_device_buffers(self) -> bool:
+        return any(self.is_device)
+
+    def transfer_request(self) -> TransferRequest:
+        """The request's pages in sglang's frame layout (waits on their host copy alone)."""
+        return TransferRequest.for_pages(
+            self.pages,
+            with_device_pages=self.has_device_buffers,
+            room=ROOM,
+            endpoint=LOCALHOST,
+            port=self.port,
+            session_id=self.session_id,
+        )
+
+    def verify(self, src_pages: np.ndarray) -> Verification:
+        """Check every byte of every buffer; with no source pages, that nothing changed."""
+        pages = self.pages.numpy()
+        total = Verification(0, 0, 0, 0)
+        with nvtx_range("gpu_planner.demo.verify"):
+            for buffer, on_device in zip(self.buffers, self.is_device, strict=True):
+                dst_pages = (pages.device if on_device else pages.host)[: src_pages.size]
+                total += verify_buffer(buffer, dst_pages, src_pages)
+        return total
+
+    def serve_push(self, prefill_port: int) -> None:
+        """Push peer: announce the buffers and pages, wait for the outcome, verify, report."""
+        to_prefill = self.outbox(LOCALHOST, prefill_port)
+        to_prefill.send_multipart(self.registration().to_frames())
+        to_prefill.send_multipart(self.transfer_request().to_frames())
+        frames = self.receive("the transfer outcome from prefill")
+        sent = frames[0] == DONE
+        src_pages = np.frombuffer(frames[2], dtype=np.int32) if sent else np.empty(0, np.int64)
+        verification = dataclasses.astuple(self.verify(src_pages))
+        fields = (str(value).encode() for value in verification)
+        to_prefill.send_multipart([VERIFIED, *fields])
+
+    def receive_source(self) -> tuple[KVRegistration, SourcePages]:
+        """Pull: the prefill side's buffer registration, then the request's source pages."""
+        registration = KVRegistration.from_frames(self.receive("the prefill registration"))
+        return registration, SourcePages.from_frames(self.receive("the source pages"))
+
+
+class PrefillSide(Side):
+    """The prefill process: pattern-filled source buffers and the request's source pages."""
+
+    def __init__(self, config: DemoConfig) -> None:
+        pool_pages = config.pool_pages(config.host_pool_factor)
+        buffers = config.buffers
+        super().__init__(config, PREFILL_SIDE, [pool_pages] * buffers, [False] * buffers)
+        rng = np.random.default_rng([config.seed, PREFILL_SIDE])
+        self.src_pages = fragmented_pages(pool_pages, config.num_pages, config.mean_run, rng)
+
+    def receive_metadata(self) -> tuple[KVRegistration, TransferRequest]:
+        """Push: the decode side's buffer registration, then its transfer request."""
+        registration = KVRegistration.from_frames(self.receive("the decode registration"))
+        request = TransferRequest.from_frames(self.receive("the transfer request"))
+        return registration, request
+
+    def finish(self, request: TransferRequest, failure: str | None = None) -> Verification:
+        """Push: tell decode what was sent (or why nothing was); return its verification."""
+        to_decode = self.outbox(request.endpoint, request.port)
+        room = str(request.room).encode()
+        if failure is None:
+            to_decode.send_multipart([DONE, room, pages_to_int32_bytes(self.src_pages, "src")])
+        else:
+            to_decode.send_multipart([FAILED, room, failure.encode()])
+        frames = self.receive("the verification from decode")
+        return Verification(*(int(value) for value in frames[1:]))
+
+    def serve_pull(self, decode_port: int) -> None:
+        """Pull peer: send the buffers and source pages, keep them until decode has read."""
+        to_decode = self.outbox(LOCALHOST, decode_port)
+        to_decode.send_multipart(self.registration().to_frames())
+        source = SourcePages(room=ROOM, session_id=self.session_id, pages=self.src_pages)
+        to_decode.send_multipart(source.to_frames())
+        self.receive("the transfer outcome from decode")
+
+
+def pair_layout(source: KVRegistration, destination: KVRegistration) -> gp.BufferLayout:
+    """Buffer pairs in layout order, bounded by both sides' registered lengths.
+
+    The same layout whichever side builds it: push builds it on prefill from
+    decode's registration, pull on decode from prefill's.
+    """
+    layout = gp.BufferLayout(
+        src_ptrs=source.ptrs,
+        dst_ptrs=destination.ptrs,
+        item_lens=source.item_lens,
+        dst_is_device=destination.is_device,
+        src_lens=source.lens,
+        dst_lens=destination.lens,
+    )
+    # The layout has checked that both sides have as many buffers.
+    mismatched = np.flatnonzero(np.array(source.item_lens) != np.array(destination.item_lens))
+    if mismatched.size:
+        buffer = int(mismatched[0])
+        raise gp.PlanValidationError(
+            f"item_lens: buffer {buffer} has {source.item_lens[buffer]} bytes per page on the "
+            f"source side but {destination.item_lens[buffer]} on the destination side"
+        )
+    return layout
+
+
+@dataclasses.dataclass
+class Planned:
+    """A planned request: engine-ready work, its size, and how long planning took."""
+
+    work: list
+    descriptors: int
+    total_bytes: int
+    plan_s: float
+
+
+def _host_pages(pages: PageArray | None) -> np.ndarray | None:
+    return pages.cpu().numpy() if isinstance(pages, torch.Tensor) else pages
+
+
+def _index_pages(pages: PageArray | None) -> torch.Tensor | None:
+    return None if pages is None else torch.as_tensor(pages, device=index_device())
+
+
+def _gpu_planner_work(config: DemoConfig, layout: gp.BufferLayout, src, dst, dst_device) -> list:
+    src, dst, dst_device = (_index_pages(pages) for pages in (src, dst, dst_device))
+    plan = gp.plan_transfer(src, dst, layout, dst_device, max_batch_pages=config.max_batch_pages)
+    return list(plan.buffer_batches() if config.buffer_workers else plan.batches())
+
+
+def _reference_work(config: DemoConfig, layout: gp.BufferLayout, src, dst, dst_device) -> list:
+    return gp.reference.plan_batches(
+        _host_pages(src),
+        _host_pages(dst),
+        layout.src_ptrs.tolist(),
+        layout.dst_ptrs.tolist(),
+        layout.item_lens.tolist(),
+        dst_is_device=layout.dst_is_device.tolist(),
+        dst_device_pages=_host_pages(dst_device),
+        max_batch_pages=config.max_batch_pages,
+    )
+
+
+def plan_request(
+    config: DemoConfig,
+    layout: gp.BufferLayout,
+    src_pages: PageArray,
+    dst_pages: PageArray,
+    dst_device_pages: PageArray | None,
+) -> Planned:
+    """Plan with the configured planner, up to the engine's Python lists (timed, warm)."""
+    plan_work = _gpu_planner_work if config.planner == "gpu" else _reference_work
+    inputs = (src_pages, dst_pages, dst_device_pages)
+    plan_work(config, layout, *inputs)  # warm-up: JIT compilation is not a per-request cost
+    start = time.perf_counter()
+    with nvtx_range("gpu_planner.demo.plan"):
+        work = plan_work(config, layout, *inputs)
+    plan_s = time.perf_counter() - start
+    lens = [item[-1] for item in work]
+    return Planned(work, sum(map(len, lens)), sum(map(sum, lens)), plan_s)
+
+
+def submit(
+    config: DemoConfig, transfer: type[MooncakeTransfer], engine, peer: str, planned: Planned
+) -> float:
+    """Submit the planned work to `peer` (MooncakeSender or MooncakeReader); seconds taken.
+
+    Uses the configured buffer workers and `timeout_s` per batch; raises `TransferError`.
+    """
+    with transfer(
+        engine, peer, buffer_workers=config.buffer_workers, batch_timeout_s=config.timeout_s
+    ) as submitter:
+        start = time.perf_counter()
+        if config.buffer_workers:
+            submitter.submit_buffer_batches(planned.work)
+        else:
+            submitter.submit_batches(planned.work)
+        return time.perf_counter() - start
+
+
+def count_runs(
+    config: DemoConfig, src: np.ndarray, dst: np.ndarray, dst_device: np.ndarray | None
+) -> tuple[int, int]:
+    """Runs in the host and the device destination space (0 device runs without device pages)."""
+    runs = gp.group_runs(src, dst, dst_device, config.max_batch_pages)
+    return len(runs.host), 0 if runs.device is None else len(runs.device)
