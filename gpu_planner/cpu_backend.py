@@ -74,30 +74,60 @@ def expand_descriptors(
 ) -> np.ndarray:
     """Descriptor columns [3, N] (src_addr, dst_addr, length), batch-major, buffer-major.
 
-    Within a batch, each stretch of consecutive same-space buffers is one
-    contiguous block per column, written in place. With very many batches
-    (tiny batch limits) that loop would dominate, so rows are scattered instead.
+    Three strategies give the same columns; the cheapest is picked by shape:
+    few large blocks (one per batch and stretch of same-space buffers) are
+    written in place; many small pieces are computed per space and gathered
+    with one concatenate; with a huge number of pieces (tiny batch limits)
+    every descriptor is scattered to its slot, as the Triton kernel does.
     """
     batch_run_offsets = [space.batch_run_offsets for space in spaces]
     batch_offsets = descriptor_batch_offsets(layout, batch_run_offsets)
     columns = np.empty((3, int(batch_offsets[-1])), dtype=np.int64)
+    num_batches = len(batch_offsets) - 1
     if not columns.shape[1]:
         return columns
-    num_batches = len(batch_offsets) - 1
-    if num_batches * len(layout.segments) > _MAX_BLOCK_WRITES:
+    if num_batches * len(layout.segments) <= _MAX_IN_PLACE_BLOCKS:
+        _write_blocks_in_place(columns, batch_offsets, layout, spaces)
+    elif num_batches * layout.num_buffers <= _MAX_CONCATENATED_PIECES:
+        _concatenate_pieces(columns, layout, spaces)
+    else:
         _scatter_descriptors(columns, batch_offsets, layout, spaces, max_batch_pages)
-        return columns
+    return columns
+
+
+_MAX_IN_PLACE_BLOCKS = 64
+_MAX_CONCATENATED_PIECES = 1 << 17
+
+
+def _write_blocks_in_place(
+    columns: np.ndarray, batch_offsets: np.ndarray, layout: BufferLayout, spaces: list[SpaceRuns]
+) -> None:
+    """Per batch and stretch of same-space buffers, fill that contiguous block directly."""
     for batch, start in enumerate(batch_offsets[:-1].tolist()):
         for space_id, buffers in layout.segments:
-            first, last = batch_run_offsets[space_id][batch : batch + 2].tolist()
+            first, last = spaces[space_id].batch_run_offsets[batch : batch + 2].tolist()
             end = start + len(buffers) * (last - first)
             block = [column[start:end].reshape(len(buffers), last - first) for column in columns]
             _fill(block, layout, buffers, spaces[space_id], slice(first, last))
             start = end
-    return columns
 
 
-_MAX_BLOCK_WRITES = 4096
+def _concatenate_pieces(columns: np.ndarray, layout: BufferLayout, spaces: list[SpaceRuns]) -> None:
+    """Compute each space's [3, buffers, runs] once, then gather (batch, buffer) slices."""
+    values = []
+    for space_id, space in enumerate(spaces):
+        buffers = np.flatnonzero(layout.space == space_id)
+        space_values = np.empty((3, len(buffers), len(space.lengths)), dtype=np.int64)
+        _fill(list(space_values), layout, buffers, space, slice(None))
+        values.append(space_values)
+    offsets = [space.batch_run_offsets.tolist() for space in spaces]
+    buffer_rows = list(zip(layout.space.tolist(), layout.space_rank.tolist(), strict=True))
+    pieces = [
+        values[space_id][:, rank, offsets[space_id][batch] : offsets[space_id][batch + 1]]
+        for batch in range(len(offsets[0]) - 1)
+        for space_id, rank in buffer_rows
+    ]
+    np.concatenate(pieces, axis=1, out=columns)
 
 
 def _fill(

@@ -95,6 +95,8 @@ def negative_page_error(name: str, position: int, value: int | None = None) -> P
 def check_no_negative_pages(arrays: dict[str, np.ndarray]) -> None:
     """Raise for the first negative page of the first argument that has one (host arrays)."""
     for name, values in arrays.items():
+        if not values.size or values.min() >= 0:
+            continue
         negative = np.flatnonzero(values < 0)
         if negative.size:
             raise negative_page_error(name, int(negative[0]), int(values[negative[0]]))

@@ -77,6 +77,7 @@ class BufferLayout:
         is_device = self.dst_is_device.astype(np.int64)
         self.device_before = np.cumsum(is_device) - is_device
         self.host_before = np.arange(self.num_buffers, dtype=np.int64) - self.device_before
+        self.space_rank = np.where(self.dst_is_device, self.device_before, self.host_before)
         self.num_device_buffers = int(is_device.sum())
         self.num_host_buffers = self.num_buffers - self.num_device_buffers
         # Maximal stretches of consecutive buffers in one space: (space, buffer indices).

@@ -39,12 +39,12 @@ class TransferPlan:
         self._device_state: tuple | None = None
         self._columns: torch.Tensor | None = None
         self._batch_offsets: np.ndarray | None = None
-        self._runs_per_batch: np.ndarray | None = None
+        self._batch_run_offsets: list[np.ndarray] | None = None
 
     def _set_host_result(self, columns: torch.Tensor, batch_run_offsets: list[np.ndarray]) -> None:
         self._columns = columns
         self._batch_offsets = cpu_backend.descriptor_batch_offsets(self.layout, batch_run_offsets)
-        self._runs_per_batch = np.diff(np.stack(batch_run_offsets), axis=1)
+        self._batch_run_offsets = batch_run_offsets
 
     def materialize(self) -> TransferPlan:
         """Bring the descriptors to the host (no-op when already there); raise recorded errors."""
@@ -126,7 +126,7 @@ class TransferPlan:
         """(buffer, srcs, dsts, lens) per batch and buffer with descriptors, in plan order."""
         columns = self.columns.numpy()
         layout = self.layout
-        runs_per_batch = self._runs_per_batch
+        runs_per_batch = [np.diff(offsets) for offsets in self._batch_run_offsets]
         for batch, batch_start in enumerate(self._batch_offsets[:-1].tolist()):
             host_runs = int(runs_per_batch[0][batch])
             device_runs = int(runs_per_batch[-1][batch])
