@@ -16,8 +16,9 @@ import numpy as np
 import pytest
 from gpu_planner.integration import sglang_send
 from hypothesis import given, settings
+from hypothesis import strategies as st
 from sglang_plugin_support import ORIGINALS, RecordingEngine, hooked_send, make_manager
-from sglang_send_scenarios import SESSION, SendScenario, send_scenarios
+from sglang_send_scenarios import LAYOUT_KINDS, SESSION, SendScenario, send_scenarios
 
 EXECUTOR = concurrent.futures.ThreadPoolExecutor(max_workers=4)
 POSITIONAL = (
@@ -63,9 +64,15 @@ def test_plugin_hook_is_installed():
     assert hooked_send().__wrapped__ is ORIGINALS["send"]
 
 
-@settings(max_examples=300, deadline=None)
-@given(scenario=send_scenarios(), positional=...)
-def test_hooked_send_matches_sglang(scenario: SendScenario, positional: bool):
+@pytest.mark.parametrize("kind", LAYOUT_KINDS)
+def test_hooked_send_matches_sglang(kind: str):
+    check_hooked_send_matches_sglang(kind)
+
+
+@settings(max_examples=80, deadline=None)
+@given(data=st.data(), positional=st.booleans())
+def check_hooked_send_matches_sglang(kind: str, data, positional: bool):
+    scenario = data.draw(send_scenarios(kind))
     expected = run_send(ORIGINALS["send"], scenario, positional)
     fallbacks = []
     with pytest.MonkeyPatch.context() as patch:
