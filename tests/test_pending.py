@@ -69,13 +69,14 @@ def test_cuda_staging_waits_on_its_copy_event_only():
     device_slots, host_slots = _request_slots(np.random.default_rng(2), 1 << 16)
     row = torch.from_numpy(device_slots).cuda()
     host = torch.from_numpy(host_slots).cuda()
-    gp.page_indices_async(row, host, 0, row.numel(), 64).wait()  # compile and pin outside the check
-    busy = torch.cuda.Stream()
+    arguments = (row, host, 7, row.numel() - 5, 64)
+    gp.page_indices_async(*arguments).wait()  # compile and pin outside the check
+    busy = torch.cuda.Stream()  # a non-blocking stream: no implicit sync with the default one
     torch.cuda.set_sync_debug_mode("error")
     try:
         with torch.cuda.stream(busy):
             torch.cuda._sleep(2_000_000_000)  # about a second of work on another stream
-        pending = gp.page_indices_async(row, host, 7, row.numel() - 5, 64)
+        pending = gp.page_indices_async(*arguments)
         pages = pending.numpy()
         # The wait returned while the device was still busy: it waited on the copy event alone.
         assert not busy.query()
