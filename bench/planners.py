@@ -17,14 +17,15 @@ import torch
 import gpu_planner as gp
 from bench.harness import Stage, cuda_event_timer, cuda_wall_timer
 from bench.inputs import BenchInput
+from gpu_planner.profiling import nvtx_range
 
 Batch = tuple[list[int], list[int], list[int]]
 NVTX_DOMAIN = "gpu_planner_bench"
 
 
-def nvtx_range(name: str) -> nvtx.annotate:
+def bench_range(name: str) -> nvtx.annotate:
     """An NVTX range in the benchmark's domain, shown by `nsys profile -t nvtx`."""
-    return nvtx.annotate(name, domain=NVTX_DOMAIN)
+    return nvtx_range(name, domain=NVTX_DOMAIN)
 
 
 class Planner:
@@ -105,7 +106,7 @@ class SglangPlanner(Planner):
         bench_input = self._input
         engine = _RecordingEngine()
         self._manager.engine = engine
-        with nvtx_range("sglang/_send_kvcache_generic"):
+        with bench_range("sglang/_send_kvcache_generic"):
             status = self._manager._send_kvcache_generic(
                 "bench",
                 bench_input.src_ptrs,
@@ -137,7 +138,7 @@ class ReferenceLoopPlanner(Planner):
 
     def hand_off(self) -> list[Batch]:
         bench_input = self._input
-        with nvtx_range("reference/plan_batches"):
+        with bench_range("reference/plan_batches"):
             return gp.reference.plan_batches(
                 bench_input.src_pages,
                 bench_input.host_dst_pages,
@@ -175,7 +176,7 @@ class GpuPlannerBackend(Planner):
 
     def plan_transfer(self) -> gp.TransferPlan:
         """The planner's launches only: no descriptor count is read back yet."""
-        with nvtx_range(f"{self.name}/plan_transfer"):
+        with bench_range(f"{self.name}/plan_transfer"):
             return gp.plan_transfer(
                 self._src,
                 self._host_dst,
@@ -187,13 +188,13 @@ class GpuPlannerBackend(Planner):
 
     def plan(self) -> gp.TransferPlan:
         plan = self.plan_transfer()
-        with nvtx_range(f"{self.name}/materialise"):
+        with bench_range(f"{self.name}/materialise"):
             plan.num_descriptors  # noqa: B018  (forces the count read-back and the final copy)
         return plan
 
     def hand_off(self) -> list[Batch]:
         plan = self.plan()
-        with nvtx_range(f"{self.name}/batches"):
+        with bench_range(f"{self.name}/batches"):
             return list(plan.batches())
 
 
@@ -241,7 +242,7 @@ class ListFloor:
         return {"hand_off": Stage(self.hand_off)}
 
     def hand_off(self) -> list[Batch]:
-        with nvtx_range("floor/tolist"):
+        with bench_range("floor/tolist"):
             return [
                 (self._src[a:b].tolist(), self._dst[a:b].tolist(), self._lens[a:b].tolist())
                 for a, b in self._bounds

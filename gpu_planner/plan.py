@@ -19,6 +19,7 @@ from gpu_planner.inputs import (
     resolve_backend,
 )
 from gpu_planner.layout import BufferLayout
+from gpu_planner.profiling import nvtx_range
 from gpu_planner.staging import copy_to_host
 
 Descriptors = tuple[list[int], list[int], list[int]]
@@ -53,13 +54,15 @@ class TransferPlan:
         from gpu_planner.kernels.status import NUM_SLOTS
 
         device_descriptors, device_runs, status = self._device_state
-        metadata = copy_to_host(torch.cat([status, device_runs.batch_run_offsets.flatten()]))
-        metadata = metadata.numpy()
+        with nvtx_range("materialize/read_counts"):
+            metadata = copy_to_host(torch.cat([status, device_runs.batch_run_offsets.flatten()]))
+            metadata = metadata.numpy()
         self._raise_recorded_error(metadata[:NUM_SLOTS], device_runs)
         batch_run_offsets = list(metadata[NUM_SLOTS:].reshape(device_runs.num_spaces, -1))
         total = int(cpu_backend.descriptor_batch_offsets(self.layout, batch_run_offsets)[-1])
         # The kernel packs the columns at stride `total`: one exact contiguous copy.
-        columns = copy_to_host(device_descriptors[: 3 * total]).view(3, total)
+        with nvtx_range("materialize/copy_descriptors"):
+            columns = copy_to_host(device_descriptors[: 3 * total]).view(3, total)
         self._set_host_result(columns, batch_run_offsets)
         self._device_state = None
         return self
@@ -171,9 +174,11 @@ def plan_transfer(
     batch_pages = cpu_backend.batch_page_count(num_pages, max_batch_pages)
     plan = TransferPlan(layout, num_batches=-(-num_pages // batch_pages))
     if resolve_backend(backend, device) == "cpu":
-        _plan_on_cpu(plan, pages, max_batch_pages)
+        with nvtx_range("plan_transfer/cpu"):
+            _plan_on_cpu(plan, pages, max_batch_pages)
     else:
-        _plan_with_kernels(plan, pages, batch_pages)
+        with nvtx_range("plan_transfer/kernels"):
+            _plan_with_kernels(plan, pages, batch_pages)
         if device.type != "cuda":
             plan.materialize()
     return plan
