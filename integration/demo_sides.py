@@ -35,13 +35,13 @@ from gpu_planner.integration.frames import (
 from gpu_planner.integration.mooncake import (
     LOCALHOST,
     MooncakeTransfer,
-    nvtx_range,
     register_buffer,
     session_id,
     start_engine,
 )
 
 import gpu_planner as gp
+from gpu_planner.profiling import nvtx_range
 
 DONE, FAILED, VERIFIED = b"done", b"failed", b"verified"
 ROOM = 1
@@ -163,7 +163,7 @@ class DecodeSide(Side):
         """Check every byte of every buffer; with no source pages, that nothing changed."""
         pages = self.pages.numpy()
         total = Verification(0, 0, 0, 0)
-        with nvtx_range("gpu_planner.demo.verify"):
+        with nvtx_range("demo/verify"):
             for buffer, on_device in zip(self.buffers, self.is_device, strict=True):
                 dst_pages = (pages.device if on_device else pages.host)[: src_pages.size]
                 total += verify_buffer(buffer, dst_pages, src_pages)
@@ -297,7 +297,7 @@ def plan_request(
     inputs = (src_pages, dst_pages, dst_device_pages)
     plan_work(config, layout, *inputs)  # warm-up: JIT compilation is not a per-request cost
     start = time.perf_counter()
-    with nvtx_range("gpu_planner.demo.plan"):
+    with nvtx_range("demo/plan"):
         work = plan_work(config, layout, *inputs)
     plan_s = time.perf_counter() - start
     lens = [item[-1] for item in work]

@@ -30,21 +30,14 @@ import concurrent.futures
 import os
 from collections.abc import Iterable, Iterator
 
-import nvtx
-
 from gpu_planner.plan import TransferPlan
+from gpu_planner.profiling import nvtx_range
 
 Batch = tuple[list[int], list[int], list[int]]
 BufferPiece = tuple[int, list[int], list[int], list[int]]
 
 LOCALHOST = "127.0.0.1"
 TCP_QUEUE_ENV = "MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER"
-NVTX_DOMAIN = "gpu_planner"
-
-
-def nvtx_range(name: str) -> nvtx.annotate:
-    """An NVTX range in gpu_planner's domain (about a microsecond when no profiler listens)."""
-    return nvtx.annotate(name, domain=NVTX_DOMAIN)
 
 
 class TransferError(RuntimeError):
@@ -169,10 +162,10 @@ class MooncakeTransfer(abc.ABC):
 
     def _submit_groups(self, groups: Iterable[list[BufferPiece]]) -> int:
         confirmed = 0
-        with nvtx_range(f"gpu_planner.{type(self).__name__}"):
+        with nvtx_range(f"{type(self).__name__}/submit"):
             for index, pieces in enumerate(groups):
                 nbytes = sum(sum(piece[3]) for piece in pieces)
-                with nvtx_range(f"gpu_planner.batch {index}"):
+                with nvtx_range(f"{type(self).__name__}/batch {index}"):
                     status = self._submit_group(pieces, index, confirmed)
                 if status != 0:
                     descriptors = sum(len(piece[3]) for piece in pieces)
