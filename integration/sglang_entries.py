@@ -11,12 +11,9 @@ run grouping and descriptor expansion.
 from __future__ import annotations
 
 import dataclasses
-import logging
 from typing import Any
 
 from sglang.srt.disaggregation.mooncake import conn
-
-logger = logging.getLogger(__name__)
 
 Entry = tuple[int, int, int]
 
@@ -50,13 +47,14 @@ class SendCall:
 def transfer_entries(manager: conn.MooncakeKVManager, call: SendCall) -> list[Entry] | int:
     """sglang's per-buffer entries for `call`, or the status it returns before transferring.
 
-    Side effects are sglang's own: a stride mismatch logs, concludes the room
-    as failed and yields -1; an out-of-range MHA stage logs and yields -1.
+    Side effects are sglang's own, logged by sglang's logger: a stride mismatch
+    logs, concludes the room as failed and yields -1; an out-of-range MHA stage
+    logs and yields -1.
     """
     mismatch = _state_stride_mismatch(manager, call)
     if mismatch is not None:
         assert call.bootstrap_room is not None
-        logger.error(mismatch)
+        conn.logger.error(mismatch)
         manager.conclude_failure(bootstrap_room=call.bootstrap_room, failure_reason=mismatch)
         return -1
     has_layer_ids = bool(call.src_layer_ids or call.dst_layer_ids)
@@ -139,7 +137,7 @@ def _mha_entries(manager: conn.MooncakeKVManager, call: SendCall) -> list[Entry]
         call.src_data_ptrs, call.dst_data_ptrs
     )
     if num_layers > len(dst_k):
-        logger.error(
+        conn.logger.error(
             "Prefill transfer kvcache error, layers_current_pp_stage is out of range: "
             f"layers_current_pp_stage={num_layers}, len(dst_k_ptrs)={len(dst_k)}"
         )

@@ -10,6 +10,7 @@ one call per layer to a thread pool, so its calls are compared as multisets.
 from __future__ import annotations
 
 import concurrent.futures
+import logging
 from collections import Counter
 
 import numpy as np
@@ -17,7 +18,7 @@ import pytest
 from gpu_planner.integration import sglang_send
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from sglang_plugin_support import ORIGINALS, RecordingEngine, hooked_send, make_manager
+from sglang_plugin_support import ORIGINALS, RecordingEngine, conn, hooked_send, make_manager
 from sglang_send_scenarios import LAYOUT_KINDS, SESSION, SendScenario, send_scenarios
 
 EXECUTOR = concurrent.futures.ThreadPoolExecutor(max_workers=4)
@@ -141,14 +142,18 @@ def test_unequal_page_lists_raise_like_sglang():
     assert errors[0] == errors[1]
 
 
-def test_stride_mismatch_concludes_failure_once():
+def test_stride_mismatch_concludes_failure_once(caplog):
+    """A peer with another stride is failed before any write, logged by sglang's logger."""
     call, manager_state = hisparse_mla_call(num_pages=6, max_batch=0)
     call["dst_item_lens"] = [656] * 7 + [640]
     call["bootstrap_room"] = 77
     engine = RecordingEngine()
     manager = make_manager(engine, **manager_state)
-    assert hooked_send()(manager, **call) == -1
+    with caplog.at_level(logging.ERROR, logger=conn.logger.name):
+        assert hooked_send()(manager, **call) == -1
     assert engine.calls == []
     [failure] = manager.conclude_failure.calls
     assert failure["bootstrap_room"] == 77
     assert "640" in failure["failure_reason"]
+    [record] = [r for r in caplog.records if r.name == conn.logger.name]
+    assert record.getMessage() == failure["failure_reason"]
