@@ -11,9 +11,9 @@ from test_plan import BATCH_LIMITS, expected_batches, plan
 from gpu_planner import cpu_backend
 
 STRATEGIES = {
-    "in-place": {"_MAX_IN_PLACE_BLOCKS": 10**9},
-    "concatenate": {"_MAX_IN_PLACE_BLOCKS": 0, "_MAX_CONCATENATED_PIECES": 10**9},
-    "scatter": {"_MAX_IN_PLACE_BLOCKS": 0, "_MAX_CONCATENATED_PIECES": 0},
+    "in-place": {"_MIN_IN_PLACE_BLOCK": 0},
+    "concatenate": {"_MIN_IN_PLACE_BLOCK": 10**18, "_MAX_CONCATENATED_PIECES": 10**9},
+    "scatter": {"_MIN_IN_PLACE_BLOCK": 10**18, "_MAX_CONCATENATED_PIECES": 0},
 }
 
 
