@@ -8,6 +8,7 @@ own form) and `hand_off()` (the per-call Python lists Mooncake's
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import numpy as np
@@ -82,6 +83,8 @@ class SglangPlanner(Planner):
     def __init__(self) -> None:
         from sglang.srt.disaggregation.mooncake.conn import MooncakeKVManager
 
+        # sglang's own function even where gpu_planner's plugin has hooked it.
+        self._send_kvcache_generic = inspect.unwrap(MooncakeKVManager._send_kvcache_generic)
         self._manager = object.__new__(MooncakeKVManager)
         self._manager.is_mla_backend = True
         self._manager.is_hybrid_mla_backend = False
@@ -107,7 +110,8 @@ class SglangPlanner(Planner):
         engine = _RecordingEngine()
         self._manager.engine = engine
         with bench_range("sglang/_send_kvcache_generic"):
-            status = self._manager._send_kvcache_generic(
+            status = self._send_kvcache_generic(
+                self._manager,
                 "bench",
                 bench_input.src_ptrs,
                 bench_input.dst_ptrs,

@@ -23,6 +23,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
+
+import gpu_planner as gp
 from gpu_planner.integration.demo_buffers import Verification
 from gpu_planner.integration.demo_config import DemoConfig, index_device
 from gpu_planner.integration.demo_sides import (
@@ -37,8 +39,6 @@ from gpu_planner.integration.demo_sides import (
     submit,
 )
 from gpu_planner.integration.mooncake import MooncakeReader, MooncakeSender
-
-import gpu_planner as gp
 
 
 @dataclass

@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass
 
 import torch
+
 from gpu_planner.integration.demo_buffers import WORD_BYTES
 
 PLANNERS = ("gpu", "reference")

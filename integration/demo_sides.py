@@ -17,6 +17,8 @@ from collections.abc import Callable
 import numpy as np
 import torch
 import zmq
+
+import gpu_planner as gp
 from gpu_planner.integration.demo_buffers import (
     DECODE_SIDE,
     PREFILL_SIDE,
@@ -39,8 +41,6 @@ from gpu_planner.integration.mooncake import (
     session_id,
     start_engine,
 )
-
-import gpu_planner as gp
 from gpu_planner.profiling import nvtx_range
 
 DONE, FAILED, VERIFIED = b"done", b"failed", b"verified"

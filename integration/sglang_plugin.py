@@ -39,8 +39,9 @@ def register() -> None:
     try:
         # Imported here: these pull in sglang's Mooncake connector, which only
         # sglang processes (not `import gpu_planner`) should pay for.
-        from gpu_planner.integration import sglang_pages, sglang_send
         from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+        from gpu_planner.integration import sglang_pages, sglang_send
     except ImportError as error:
         log_fallback_once(f"sglang's Mooncake connector does not import ({error})")
         return

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
 from gpu_planner.kernels.run_scan import DeviceRuns
 from gpu_planner.kernels.status import OUT_OF_BOUNDS
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+
 from gpu_planner.kernels.status import NEGATIVE_SRC
 
 BLOCK_PAGES = 1024

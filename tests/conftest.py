@@ -13,8 +13,9 @@ if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
 import pytest  # noqa: E402
-from gpu_planner.kernels import interpreter_enabled  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402
+
+from gpu_planner.kernels import interpreter_enabled  # noqa: E402
 
 settings.register_profile(
     "ci",

@@ -22,13 +22,13 @@ from collections.abc import Callable, Iterator
 import numpy as np
 import pytest
 import torch
+
+import gpu_planner as gp
 from gpu_planner.integration.demo import run_pull_prefill, run_push_decode
 from gpu_planner.integration.demo_config import DemoConfig
 from gpu_planner.integration.demo_sides import DecodeSide, PrefillSide, pair_layout
 from gpu_planner.integration.frames import KVRegistration, SourcePages, TransferRequest
 from gpu_planner.integration.mooncake import MooncakeTransfer, TransferError
-
-import gpu_planner as gp
 
 SMALL = DemoConfig(
     buffers=6,

@@ -7,11 +7,11 @@ import warnings
 import numpy as np
 import pytest
 import torch
-from gpu_planner.integration.frames import KVRegistration, SourcePages, TransferRequest
 from hypothesis import given
 from hypothesis import strategies as st
 
 import gpu_planner as gp
+from gpu_planner.integration.frames import KVRegistration, SourcePages, TransferRequest
 
 page_arrays = st.lists(st.integers(0, 2**31 - 1), max_size=64).map(
     lambda pages: np.array(pages, dtype=np.int64)

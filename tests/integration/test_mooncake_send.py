@@ -9,12 +9,6 @@ import threading
 
 import numpy as np
 import pytest
-from gpu_planner.integration.mooncake import (
-    MooncakeReader,
-    MooncakeSender,
-    TransferError,
-    TransferTimeoutError,
-)
 from mooncake_demo_support import (
     HookedEngine,
     decode_peer,
@@ -25,6 +19,12 @@ from mooncake_demo_support import (
 )
 
 import gpu_planner as gp
+from gpu_planner.integration.mooncake import (
+    MooncakeReader,
+    MooncakeSender,
+    TransferError,
+    TransferTimeoutError,
+)
 
 
 def _batch_bytes(batches) -> list[int]:

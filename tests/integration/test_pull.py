@@ -9,9 +9,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from gpu_planner.integration.demo_sides import pair_layout
-from gpu_planner.integration.frames import KVRegistration, TransferRequest
-from gpu_planner.integration.mooncake import MooncakeReader, TransferTimeoutError
 from mooncake_demo_support import (
     HookedEngine,
     faulty_transfer,
@@ -22,6 +19,9 @@ from mooncake_demo_support import (
 )
 
 import gpu_planner as gp
+from gpu_planner.integration.demo_sides import pair_layout
+from gpu_planner.integration.frames import KVRegistration, TransferRequest
+from gpu_planner.integration.mooncake import MooncakeReader, TransferTimeoutError
 
 
 def _push_plan(peer, max_batch_pages: int) -> gp.TransferPlan:

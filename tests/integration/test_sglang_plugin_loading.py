@@ -9,10 +9,11 @@ from importlib.metadata import entry_points
 import numpy as np
 import pytest
 import torch
-from gpu_planner.integration import sglang_fallback, sglang_plugin, sglang_send
-from gpu_planner.integration.sglang_plugin import PAGES_TARGET, SEND_TARGET
 from sglang_plugin_support import ORIGINALS, RecordingEngine, common, conn, make_manager, minimax
 from sglang_send_scenarios import SESSION
+
+from gpu_planner.integration import sglang_fallback, sglang_plugin, sglang_send
+from gpu_planner.integration.sglang_plugin import PAGES_TARGET, SEND_TARGET
 
 PLUGIN_LOGGER = "gpu_planner.integration.sglang_plugin"
 

@@ -11,9 +11,10 @@ import itertools
 import sys
 
 import triton
-from gpu_planner.kernels import expand_descriptors, page_indices, run_scan
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
+
+from gpu_planner.kernels import expand_descriptors, page_indices, run_scan
 
 H200 = GPUTarget("cuda", 90, 64)
 
