@@ -21,6 +21,12 @@ echo "pytest cuda rc=$?" | tee -a "$out/summary.txt"
 TRITON_INTERPRET=1 timeout 200 "$python" -m pytest -q -x tests/test_plan.py tests/test_runs.py \
   -k "not million" -p no:cacheprovider >"$out/pytest_interpreter.txt" 2>&1
 echo "pytest interpreter rc=$?" | tee -a "$out/summary.txt"
+if "$python" -c "import sglang.srt.disaggregation.mooncake.conn" >/dev/null 2>&1; then
+  env -u TRITON_INTERPRET timeout 120 "$python" -m pytest -q \
+    tests/integration/test_sglang_plugin_loading.py -k cuda -p no:cacheprovider \
+    >"$out/pytest_sglang_cuda.txt" 2>&1
+  echo "pytest sglang cuda rc=$?" | tee -a "$out/summary.txt"
+fi
 env -u TRITON_INTERPRET timeout 150 "$python" -m bench.run --target --reference loop \
   --out "$out" >"$out/bench_target.txt" 2>&1
 echo "bench rc=$?" | tee -a "$out/summary.txt"
