@@ -26,18 +26,10 @@ class PinnedStaging:
         self._lock = threading.Lock()
 
     def copy_to_host(self, source: torch.Tensor) -> torch.Tensor:
-        """Exact copy of a contiguous CUDA tensor into pinned memory; waits on this copy only."""
-        nbytes = source.numel() * source.element_size()
-        block = self._take(nbytes)
-        target = block[:nbytes].view(source.dtype).view(source.shape)
-        target.copy_(source, non_blocking=True)
-        copied = torch.cuda.Event()
-        copied.record()
+        """Exact copy of a CUDA tensor into pinned memory; waits on this copy only."""
+        (host,), copied = self.copy_to_host_async([source])
         copied.synchronize()
-        block_array = block.numpy()
-        weakref.finalize(block_array, self._give_back, block)
-        host_dtype = target.numpy().dtype
-        return torch.from_numpy(block_array[:nbytes].view(host_dtype).reshape(source.shape))
+        return host
 
     def copy_to_host_async(
         self, sources: Sequence[torch.Tensor]
