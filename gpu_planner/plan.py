@@ -42,10 +42,11 @@ class TransferPlan:
         self._batch_offsets: np.ndarray | None = None
         self._batch_run_offsets: list[np.ndarray] | None = None
 
-    def _set_host_result(self, columns: torch.Tensor, batch_run_offsets: list[np.ndarray]) -> None:
-        self._columns = columns
-        self._batch_offsets = cpu_backend.descriptor_batch_offsets(self.layout, batch_run_offsets)
+    def _set_run_counts(self, batch_run_offsets: list[np.ndarray]) -> int:
+        """Record each space's runs per batch; return the descriptor count they imply."""
         self._batch_run_offsets = batch_run_offsets
+        self._batch_offsets = cpu_backend.descriptor_batch_offsets(self.layout, batch_run_offsets)
+        return int(self._batch_offsets[-1])
 
     def materialize(self) -> TransferPlan:
         """Bring the descriptors to the host (no-op when already there); raise recorded errors."""
@@ -58,12 +59,10 @@ class TransferPlan:
             metadata = copy_to_host(torch.cat([status, device_runs.batch_run_offsets.flatten()]))
             metadata = metadata.numpy()
         self._raise_recorded_error(metadata[:NUM_SLOTS], device_runs)
-        batch_run_offsets = list(metadata[NUM_SLOTS:].reshape(device_runs.num_spaces, -1))
-        total = int(cpu_backend.descriptor_batch_offsets(self.layout, batch_run_offsets)[-1])
+        total = self._set_run_counts(list(metadata[NUM_SLOTS:].reshape(device_runs.num_spaces, -1)))
         # The kernel packs the columns at stride `total`: one exact contiguous copy.
         with nvtx_range("materialize/copy_descriptors"):
-            columns = copy_to_host(device_descriptors[: 3 * total]).view(3, total)
-        self._set_host_result(columns, batch_run_offsets)
+            self._columns = copy_to_host(device_descriptors[: 3 * total]).view(3, total)
         self._device_state = None
         return self
 
@@ -194,8 +193,10 @@ def _plan_on_cpu(plan: TransferPlan, pages: dict[str, torch.Tensor], max_batch_p
     violation = cpu_backend.first_bounds_violation(plan.layout, spaces)
     if violation is not None:
         raise plan.layout.bounds_error(*violation)
-    columns = cpu_backend.expand_descriptors(plan.layout, spaces, max_batch_pages)
-    plan._set_host_result(torch.from_numpy(columns), [space.batch_run_offsets for space in spaces])
+    plan._set_run_counts([space.batch_run_offsets for space in spaces])
+    plan._columns = torch.from_numpy(
+        cpu_backend.expand_descriptors(plan.layout, spaces, max_batch_pages)
+    )
 
 
 def _plan_with_kernels(
