@@ -17,6 +17,7 @@ import functools
 import os
 import signal
 import threading
+import time
 from collections.abc import Callable, Iterator
 
 import numpy as np
@@ -191,7 +192,18 @@ def kill_process(process) -> None:
 
 
 def stop_process(process) -> None:
+    """SIGSTOP the peer and return only once it is stopped (signals arrive asynchronously)."""
     os.kill(process.pid, signal.SIGSTOP)
+    deadline = time.monotonic() + 10.0
+    while _process_state(process.pid) != "T":
+        assert time.monotonic() < deadline, f"process {process.pid} did not stop"
+        time.sleep(0.001)
+
+
+def _process_state(pid: int) -> str:
+    """The one-letter state from /proc/PID/stat (after the parenthesised command name)."""
+    with open(f"/proc/{pid}/stat") as stat:
+        return stat.read().rsplit(")", 1)[1].split()[0]
 
 
 def faulty_transfer(
