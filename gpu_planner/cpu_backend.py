@@ -14,10 +14,17 @@ class SpaceRuns:
     """Runs of one destination page space, in page order."""
 
     page_starts: np.ndarray  # int64: position of each run's first page in the page lists
-    src_starts: np.ndarray  # int64: first source page of each run
-    dst_starts: np.ndarray  # int64: first destination page of each run
+    starts: np.ndarray  # int64 [2, runs]: first source page, first destination page of each run
     lengths: np.ndarray  # int64: pages per run
     batch_run_offsets: np.ndarray  # int64 [num_batches + 1]: first run of each batch, then total
+
+    @property
+    def src_starts(self) -> np.ndarray:
+        return self.starts[0]
+
+    @property
+    def dst_starts(self) -> np.ndarray:
+        return self.starts[1]
 
 
 def batch_page_count(num_pages: int, max_batch_pages: int) -> int:
@@ -32,7 +39,7 @@ def group_runs(
     num_pages = len(src_pages)
     if num_pages == 0:
         empty = np.zeros(0, dtype=np.int64)
-        no_runs = SpaceRuns(empty, empty, empty, empty, np.zeros(1, dtype=np.int64))
+        no_runs = SpaceRuns(empty, np.zeros((2, 0), np.int64), empty, np.zeros(1, np.int64))
         return [no_runs for _ in dst_pages_per_space]
     src = src_pages.astype(np.int64, copy=False)
     src_breaks = _steps_not_one(src)
@@ -53,8 +60,7 @@ def group_runs(
         spaces.append(
             SpaceRuns(
                 page_starts=page_starts,
-                src_starts=src[page_starts],
-                dst_starts=dst[page_starts],
+                starts=np.stack((src[page_starts], dst[page_starts])),
                 lengths=page_ends - page_starts,
                 batch_run_offsets=batch_run_offsets,
             )
@@ -115,11 +121,12 @@ def _write_blocks_in_place(
 ) -> None:
     """Per batch and stretch of same-space buffers, fill that contiguous block directly."""
     for batch, start in enumerate(batch_offsets[:-1].tolist()):
-        for space_id, buffers in layout.segments:
+        for space_id, ranks in layout.segments:
             first, last = spaces[space_id].batch_run_offsets[batch : batch + 2].tolist()
-            end = start + len(buffers) * (last - first)
-            block = [column[start:end].reshape(len(buffers), last - first) for column in columns]
-            _fill(block, layout, buffers, spaces[space_id], slice(first, last))
+            num_buffers = ranks.stop - ranks.start
+            end = start + num_buffers * (last - first)
+            block = columns[:, start:end].reshape(3, num_buffers, last - first)
+            _fill(block, layout, space_id, ranks, slice(first, last), spaces[space_id])
             start = end
 
 
@@ -127,9 +134,9 @@ def _concatenate_pieces(columns: np.ndarray, layout: BufferLayout, spaces: list[
     """Compute each space's [3, buffers, runs] once, then gather (batch, buffer) slices."""
     values = []
     for space_id, space in enumerate(spaces):
-        buffers = np.flatnonzero(layout.space == space_id)
-        space_values = np.empty((3, len(buffers), len(space.lengths)), dtype=np.int64)
-        _fill(list(space_values), layout, buffers, space, slice(None))
+        num_buffers = len(layout.space_item_lens[space_id])
+        space_values = np.empty((3, num_buffers, len(space.lengths)), dtype=np.int64)
+        _fill(space_values, layout, space_id, slice(None), slice(None), space)
         values.append(space_values)
     offsets = [space.batch_run_offsets.tolist() for space in spaces]
     buffer_rows = list(zip(layout.space.tolist(), layout.space_rank.tolist(), strict=True))
@@ -142,20 +149,19 @@ def _concatenate_pieces(columns: np.ndarray, layout: BufferLayout, spaces: list[
 
 
 def _fill(
-    block: list[np.ndarray],
+    block: np.ndarray,
     layout: BufferLayout,
-    buffers: np.ndarray,
-    space: SpaceRuns,
+    space_id: int,
+    ranks: slice,
     runs: slice,
+    space: SpaceRuns,
 ) -> None:
-    """block[column][b, r] = that column of buffers[b]'s descriptor for run `runs[r]` of `space`."""
-    src_addrs, dst_addrs, lengths = block
-    item_lens = layout.item_lens[buffers, None]
-    np.multiply(space.src_starts[runs], item_lens, out=src_addrs)
-    src_addrs += layout.src_ptrs[buffers, None]
-    np.multiply(space.dst_starts[runs], item_lens, out=dst_addrs)
-    dst_addrs += layout.dst_ptrs[buffers, None]
-    np.multiply(space.lengths[runs], item_lens, out=lengths)
+    """block[:, b, r] = (src_addr, dst_addr, length) of space buffer `ranks[b]`, run `runs[r]`."""
+    item_lens = layout.space_item_lens[space_id][ranks]
+    ptrs = layout.space_ptrs[space_id][:, ranks]
+    np.multiply(space.starts[:, None, runs], item_lens[None, :, None], out=block[:2])
+    block[:2] += ptrs[:, :, None]
+    np.multiply(space.lengths[runs], item_lens[:, None], out=block[2])
 
 
 def _scatter_descriptors(
@@ -170,7 +176,7 @@ def _scatter_descriptors(
     batch_pages = batch_page_count(num_pages, max_batch_pages)
     runs_per_batch = [np.diff(space.batch_run_offsets) for space in spaces]
     for space_id, space in enumerate(spaces):
-        buffers = np.flatnonzero(layout.space == space_id)
+        buffers = layout.space_buffers[space_id]
         if not buffers.size:
             continue
         run_batch = space.page_starts // batch_pages
@@ -180,7 +186,7 @@ def _scatter_descriptors(
         if len(spaces) > 1:
             slots += np.outer(layout.device_before[buffers], runs_per_batch[1][run_batch])
         values = np.empty((3, *slots.shape), dtype=np.int64)
-        _fill(list(values), layout, buffers, space, slice(None))
+        _fill(values, layout, space_id, slice(None), slice(None), space)
         columns[:, slots.ravel()] = values.reshape(3, -1)
 
 

@@ -80,13 +80,22 @@ class BufferLayout:
         self.space_rank = np.where(self.dst_is_device, self.device_before, self.host_before)
         self.num_device_buffers = int(is_device.sum())
         self.num_host_buffers = self.num_buffers - self.num_device_buffers
-        # Maximal stretches of consecutive buffers in one space: (space, buffer indices).
-        boundaries = np.flatnonzero(np.diff(self.space)) + 1
-        self.segments = [
-            (int(self.space[buffers[0]]), buffers)
-            for buffers in np.split(np.arange(self.num_buffers), boundaries)
-            if buffers.size
+        # Per destination space: its buffers in layout order, their item lengths and
+        # their (src, dst) pointers as [2, buffers]; a buffer's rank indexes these.
+        self.space_buffers = [np.flatnonzero(self.space == space) for space in (0, 1)]
+        self.space_item_lens = [self.item_lens[buffers] for buffers in self.space_buffers]
+        self.space_ptrs = [
+            np.stack((self.src_ptrs[buffers], self.dst_ptrs[buffers]))
+            for buffers in self.space_buffers
         ]
+        # Maximal stretches of consecutive buffers in one space: (space, slice of ranks).
+        self.segments: list[tuple[int, slice]] = []
+        boundaries = np.flatnonzero(np.diff(self.space)) + 1
+        for buffers in np.split(np.arange(self.num_buffers), boundaries):
+            if buffers.size:
+                first_rank = int(self.space_rank[buffers[0]])
+                ranks = slice(first_rank, first_rank + buffers.size)
+                self.segments.append((int(self.space[buffers[0]]), ranks))
         self._device_tables: dict[torch.device, dict[str, torch.Tensor]] = {}
 
     @property
