@@ -84,7 +84,7 @@ def descriptor_batch_offsets(
 
 
 def expand_descriptors(
-    layout: BufferLayout, spaces: list[SpaceRuns], max_batch_pages: int
+    layout: BufferLayout, spaces: list[SpaceRuns], batch_offsets: np.ndarray, max_batch_pages: int
 ) -> np.ndarray:
     """Descriptor columns [3, N] (src_addr, dst_addr, length), batch-major, buffer-major.
 
@@ -92,10 +92,9 @@ def expand_descriptors(
     large blocks (one per batch and stretch of same-space buffers) are written
     in place; small pieces are computed per space and gathered with one
     concatenate; with a huge number of pieces (tiny batch limits) every
-    descriptor is scattered to its slot, as the Triton kernel does.
+    descriptor is scattered to its slot, as the Triton kernel does. `batch_offsets`
+    is `descriptor_batch_offsets` of these runs.
     """
-    batch_run_offsets = [space.batch_run_offsets for space in spaces]
-    batch_offsets = descriptor_batch_offsets(layout, batch_run_offsets)
     columns = np.empty((3, int(batch_offsets[-1])), dtype=np.int64)
     num_batches = len(batch_offsets) - 1
     if not columns.shape[1]:

@@ -195,7 +195,7 @@ def _plan_on_cpu(plan: TransferPlan, pages: dict[str, torch.Tensor], max_batch_p
         raise plan.layout.bounds_error(*violation)
     plan._set_run_counts([space.batch_run_offsets for space in spaces])
     plan._columns = torch.from_numpy(
-        cpu_backend.expand_descriptors(plan.layout, spaces, max_batch_pages)
+        cpu_backend.expand_descriptors(plan.layout, spaces, plan._batch_offsets, max_batch_pages)
     )
 
 
