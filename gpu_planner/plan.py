@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -23,6 +24,16 @@ from gpu_planner.profiling import nvtx_range
 from gpu_planner.staging import copy_to_host
 
 Descriptors = tuple[list[int], list[int], list[int]]
+
+
+class BufferBatch(NamedTuple):
+    """One buffer's descriptors within one batch: one call in per-buffer submission."""
+
+    batch: int
+    buffer: int
+    srcs: list[int]
+    dsts: list[int]
+    lens: list[int]
 
 
 class TransferPlan:
@@ -124,8 +135,8 @@ class TransferPlan:
                 srcs, dsts, lens = columns[:, start:end].tolist()
                 yield srcs, dsts, lens
 
-    def buffer_batches(self) -> Iterator[tuple[int, list[int], list[int], list[int]]]:
-        """(buffer, srcs, dsts, lens) per batch and buffer with descriptors, in plan order."""
+    def buffer_batches(self) -> Iterator[BufferBatch]:
+        """One `BufferBatch` per batch and buffer with descriptors, in plan order."""
         columns = self.columns.numpy()
         layout = self.layout
         runs_per_batch = [np.diff(offsets) for offsets in self._batch_run_offsets]
@@ -142,7 +153,7 @@ class TransferPlan:
                     + int(layout.device_before[buffer]) * device_runs
                 )
                 srcs, dsts, lens = columns[:, start : start + count].tolist()
-                yield buffer, srcs, dsts, lens
+                yield BufferBatch(batch, buffer, srcs, dsts, lens)
 
 
 def plan_transfer(

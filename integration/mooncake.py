@@ -28,13 +28,14 @@ from __future__ import annotations
 import abc
 import concurrent.futures
 import os
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
+from itertools import groupby
+from operator import attrgetter
 
-from gpu_planner.plan import TransferPlan
+from gpu_planner.plan import BufferBatch, TransferPlan
 from gpu_planner.profiling import nvtx_range
 
 Batch = tuple[list[int], list[int], list[int]]
-BufferPiece = tuple[int, list[int], list[int], list[int]]
 
 LOCALHOST = "127.0.0.1"
 TCP_QUEUE_ENV = "MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER"
@@ -80,18 +81,6 @@ def register_buffer(engine, ptr: int, nbytes: int) -> None:
 def session_id(engine, host: str = LOCALHOST) -> str:
     """The peer name other engines use to reach `engine` (P2P handshake: host:rpc_port)."""
     return f"{host}:{engine.get_rpc_port()}"
-
-
-def _batches_of_buffer_pieces(pieces: Iterable[BufferPiece]) -> Iterator[list[BufferPiece]]:
-    """Group `plan.buffer_batches()` by batch: within a batch the buffer index only grows."""
-    batch: list[BufferPiece] = []
-    for piece in pieces:
-        if batch and piece[0] <= batch[-1][0]:
-            yield batch
-            batch = []
-        batch.append(piece)
-    if batch:
-        yield batch
 
 
 class MooncakeTransfer(abc.ABC):
@@ -150,25 +139,29 @@ class MooncakeTransfer(abc.ABC):
 
     def submit_batches(self, batches: Iterable[Batch]) -> int:
         """Submit precomputed (srcs, dsts, lens) batches, one Mooncake call each, in order."""
-        return self._submit_groups([(-1, *batch)] for batch in batches)
+        return self._submit_groups(
+            [BufferBatch(index, -1, *batch)] for index, batch in enumerate(batches)
+        )
 
-    def submit_buffer_batches(self, pieces: Iterable[BufferPiece]) -> int:
-        """Submit (buffer, srcs, dsts, lens) pieces in plan order, one call per piece.
+    def submit_buffer_batches(self, pieces: Iterable[BufferBatch]) -> int:
+        """Submit `plan.buffer_batches()` pieces in plan order, one call per piece.
 
         The pieces of one batch run concurrently on the buffer workers; the next
         batch starts when all of them have succeeded.
         """
-        return self._submit_groups(_batches_of_buffer_pieces(pieces))
+        return self._submit_groups(
+            list(group) for _, group in groupby(pieces, key=attrgetter("batch"))
+        )
 
-    def _submit_groups(self, groups: Iterable[list[BufferPiece]]) -> int:
+    def _submit_groups(self, groups: Iterable[list[BufferBatch]]) -> int:
         confirmed = 0
         with nvtx_range(f"{type(self).__name__}/submit"):
             for index, pieces in enumerate(groups):
-                nbytes = sum(sum(piece[3]) for piece in pieces)
+                nbytes = sum(sum(piece.lens) for piece in pieces)
                 with nvtx_range(f"{type(self).__name__}/batch {index}"):
                     status = self._submit_group(pieces, index, confirmed)
                 if status != 0:
-                    descriptors = sum(len(piece[3]) for piece in pieces)
+                    descriptors = sum(len(piece.lens) for piece in pieces)
                     raise TransferError(
                         f"Mooncake batch {index} ({self.operation} {self.peer}) failed with "
                         f"status {status} ({descriptors} descriptors, {nbytes} bytes); {confirmed} "
@@ -180,11 +173,13 @@ class MooncakeTransfer(abc.ABC):
                 confirmed += nbytes
         return confirmed
 
-    def _submit_group(self, pieces: list[BufferPiece], index: int, confirmed: int) -> int:
+    def _submit_group(self, pieces: list[BufferBatch], index: int, confirmed: int) -> int:
         """Run one batch's calls; the first non-zero status, or 0."""
         if self._pool is None:
-            return self._call(*pieces[0][1:])
-        futures = [self._pool.submit(self._call, *piece[1:]) for piece in pieces]
+            return self._call(pieces[0].srcs, pieces[0].dsts, pieces[0].lens)
+        futures = [
+            self._pool.submit(self._call, piece.srcs, piece.dsts, piece.lens) for piece in pieces
+        ]
         _, pending = concurrent.futures.wait(futures, timeout=self.batch_timeout_s)
         if pending:
             # The stuck calls keep their threads; later batches get fresh ones.

@@ -51,8 +51,8 @@ def send_kvcache_generic_hook(
     session = call.mooncake_session_id
     if _uses_per_layer_futures(manager):
         futures = [
-            call.executor.submit(engine.batch_transfer_sync, session, srcs, dsts, lens)
-            for _, srcs, dsts, lens in plan.buffer_batches()
+            call.executor.submit(engine.batch_transfer_sync, session, *piece[2:])
+            for piece in plan.buffer_batches()
         ]
         return manager._await_transfer_futures(futures)
     for srcs, dsts, lens in plan.batches():

@@ -77,10 +77,21 @@ def test_buffer_batches_partition_each_batch(backend_device, pages, layout, max_
     result = plan(pages, layout, max_batch_pages, backend, device)
     pieces = list(result.buffer_batches())
     joined = [
-        value for _, srcs, dsts, lens in pieces for value in zip(srcs, dsts, lens, strict=True)
+        value for *_, srcs, dsts, lens in pieces for value in zip(srcs, dsts, lens, strict=True)
     ]
     assert joined == [value for batch in result.batches() for value in zip(*batch, strict=True)]
-    for buffer, srcs, _, lens in pieces:
+    grouped = {}
+    for piece in pieces:
+        grouped.setdefault(piece.batch, []).append(piece)
+    assert [piece.batch for piece in pieces] == sorted(piece.batch for piece in pieces)
+    regrouped = []
+    for group in grouped.values():
+        srcs, dsts, lens = [], [], []
+        for piece in group:
+            srcs, dsts, lens = srcs + piece.srcs, dsts + piece.dsts, lens + piece.lens
+        regrouped.append((srcs, dsts, lens))
+    assert regrouped == list(result.batches())
+    for _, buffer, srcs, _, lens in pieces:
         item_len = layout["item_lens"][buffer]
         assert all(length % item_len == 0 for length in lens)
         assert all((src - layout["src_ptrs"][buffer]) % item_len == 0 for src in srcs)

@@ -53,7 +53,7 @@ def test_pull_reads_the_push_plans_triples_and_the_bytes_arrive(buffer_workers):
             assert reader.submit(pull) == push.total_bytes
         # Each read names the prefill addresses as sources: exactly the push plan's calls.
         if buffer_workers:
-            pieces = [tuple(piece[1:]) for piece in push.buffer_batches()]
+            pieces = [tuple(piece[2:]) for piece in push.buffer_batches()]
             assert sorted(engine.calls) == sorted(pieces)
         else:
             assert engine.calls == list(push.batches())
