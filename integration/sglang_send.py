@@ -51,7 +51,9 @@ def send_kvcache_generic_hook(
     session = call.mooncake_session_id
     if _uses_per_layer_futures(manager):
         futures = [
-            call.executor.submit(engine.batch_transfer_sync, session, *piece[2:])
+            call.executor.submit(
+                engine.batch_transfer_sync, session, piece.srcs, piece.dsts, piece.lens
+            )
             for piece in plan.buffer_batches()
         ]
         return manager._await_transfer_futures(futures)
