@@ -130,21 +130,28 @@ def _write_blocks_in_place(
 
 
 def _concatenate_pieces(columns: np.ndarray, layout: BufferLayout, spaces: list[SpaceRuns]) -> None:
-    """Compute each space's [3, buffers, runs] once, then gather (batch, buffer) slices."""
-    values = []
-    for space_id, space in enumerate(spaces):
-        num_buffers = len(layout.space_item_lens[space_id])
-        space_values = np.empty((3, num_buffers, len(space.lengths)), dtype=np.int64)
-        _fill(space_values, layout, space_id, slice(None), slice(None), space)
-        values.append(space_values)
+    """Gather each (batch, buffer)'s runs in one concatenate, then scale and offset them all.
+
+    The runs are stacked as (src_start, dst_start, length) rows per space, so a
+    piece is a slice and the whole gather is one call; item lengths and
+    pointers are repeated per descriptor. A handful of NumPy calls in all,
+    whatever the layout: what matters when caches are cold.
+    """
+    runs = [np.concatenate((space.starts, space.lengths[None])) for space in spaces]
     offsets = [space.batch_run_offsets.tolist() for space in spaces]
-    buffer_rows = list(zip(layout.space.tolist(), layout.space_rank.tolist(), strict=True))
+    buffer_spaces = layout.space.tolist()
     pieces = [
-        values[space_id][:, rank, offsets[space_id][batch] : offsets[space_id][batch + 1]]
+        runs[space_id][:, offsets[space_id][batch] : offsets[space_id][batch + 1]]
         for batch in range(len(offsets[0]) - 1)
-        for space_id, rank in buffer_rows
+        for space_id in buffer_spaces
     ]
     np.concatenate(pieces, axis=1, out=columns)
+    runs_per_batch = np.stack([np.diff(space.batch_run_offsets) for space in spaces])
+    counts = runs_per_batch[layout.space].T.ravel()  # descriptors per (batch, buffer) piece
+    num_batches = runs_per_batch.shape[1]
+    columns *= np.repeat(np.tile(layout.item_lens, num_batches), counts)
+    ptrs = np.stack((layout.src_ptrs, layout.dst_ptrs))
+    columns[:2] += np.repeat(np.tile(ptrs, num_batches), counts, axis=1)
 
 
 def _fill(
