@@ -209,7 +209,7 @@ def first_bounds_violation(
     limits = {"dst": layout.bound_limits("dst"), "src": layout.bound_limits("src")}
     first_buffer = None
     for space_id, space in enumerate(spaces):
-        buffers = np.flatnonzero(layout.space == space_id)
+        buffers = layout.space_buffers[space_id]
         if not buffers.size or not space.lengths.size:
             continue
         items = layout.item_lens[buffers]

@@ -14,13 +14,12 @@ from gpu_planner.inputs import (
     Backend,
     IndexLike,
     check_max_batch_pages,
-    check_no_negative_pages,
     collect_pages,
-    raise_recorded_negative_page,
     resolve_backend,
 )
 from gpu_planner.layout import BufferLayout
 from gpu_planner.profiling import nvtx_range
+from gpu_planner.runs import group_runs_on_cpu, read_device_counts
 from gpu_planner.staging import copy_to_host
 
 Descriptors = tuple[list[int], list[int], list[int]]
@@ -63,24 +62,21 @@ class TransferPlan:
         """Bring the descriptors to the host (no-op when already there); raise recorded errors."""
         if self._columns is not None:
             return self
-        from gpu_planner.kernels.status import NUM_SLOTS
-
         device_descriptors, device_runs, status = self._device_state
         with nvtx_range("materialize/read_counts"):
-            metadata = copy_to_host(torch.cat([status, device_runs.batch_run_offsets.flatten()]))
-            metadata = metadata.numpy()
-        self._raise_recorded_error(metadata[:NUM_SLOTS], device_runs)
-        total = self._set_run_counts(list(metadata[NUM_SLOTS:].reshape(device_runs.num_spaces, -1)))
+            status, batch_run_offsets = read_device_counts(status, device_runs)
+        self._raise_out_of_bounds(status, device_runs)
+        total = self._set_run_counts(batch_run_offsets)
         # The kernel packs the columns at stride `total`: one exact contiguous copy.
         with nvtx_range("materialize/copy_descriptors"):
             self._columns = copy_to_host(device_descriptors[: 3 * total]).view(3, total)
         self._device_state = None
         return self
 
-    def _raise_recorded_error(self, status: np.ndarray, device_runs) -> None:
+    def _raise_out_of_bounds(self, status: np.ndarray, device_runs) -> None:
+        """Raise the first out-of-bounds descriptor the expansion kernel recorded, if any."""
         from gpu_planner.kernels.status import NO_ERROR, OUT_OF_BOUNDS
 
-        raise_recorded_negative_page(status)
         if status[OUT_OF_BOUNDS] != NO_ERROR:
             key, side_bit = divmod(int(status[OUT_OF_BOUNDS]), 2)
             buffer, run = divmod(key, device_runs.capacity)
@@ -195,12 +191,7 @@ def plan_transfer(
 
 
 def _plan_on_cpu(plan: TransferPlan, pages: dict[str, torch.Tensor], max_batch_pages: int) -> None:
-    arrays = {name: values.cpu().numpy() for name, values in pages.items()}
-    check_no_negative_pages(arrays)
-    dst_spaces = [arrays["dst_pages"]]
-    if "dst_device_pages" in arrays:
-        dst_spaces.append(arrays["dst_device_pages"])
-    spaces = cpu_backend.group_runs(arrays["src_pages"], dst_spaces, max_batch_pages)
+    spaces = group_runs_on_cpu(pages, max_batch_pages)
     violation = cpu_backend.first_bounds_violation(plan.layout, spaces)
     if violation is not None:
         raise plan.layout.bounds_error(*violation)

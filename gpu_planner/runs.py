@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -18,6 +19,9 @@ from gpu_planner.inputs import (
     resolve_backend,
 )
 from gpu_planner.staging import copy_to_host
+
+if TYPE_CHECKING:  # the kernels import triton; load them only when they run
+    from gpu_planner.kernels.run_scan import DeviceRuns
 
 
 @dataclass
@@ -60,11 +64,7 @@ def group_runs(
     batch_pages = cpu_backend.batch_page_count(num_pages, max_batch_pages)
     num_batches = -(-num_pages // batch_pages)
     if resolve_backend(backend, device) == "cpu":
-        arrays = {name: values.cpu().numpy() for name, values in pages.items()}
-        check_no_negative_pages(arrays)
-        spaces = cpu_backend.group_runs(
-            arrays["src_pages"], list(arrays.values())[1:], max_batch_pages
-        )
+        spaces = group_runs_on_cpu(pages, max_batch_pages)
         run_lists = [_run_list_from_host(space, device) for space in spaces]
     else:
         run_lists = _group_runs_with_kernels(pages, batch_pages)
@@ -73,6 +73,30 @@ def group_runs(
         device=run_lists[1] if len(run_lists) > 1 else None,
         num_batches=num_batches,
     )
+
+
+def group_runs_on_cpu(
+    pages: dict[str, torch.Tensor], max_batch_pages: int
+) -> list[cpu_backend.SpaceRuns]:
+    """CPU-backend runs of validated page tensors (src, dst, then device dst if present)."""
+    arrays = {name: values.cpu().numpy() for name, values in pages.items()}
+    check_no_negative_pages(arrays)
+    src_pages, *dst_pages_per_space = arrays.values()
+    return cpu_backend.group_runs(src_pages, dst_pages_per_space, max_batch_pages)
+
+
+def read_device_counts(
+    status: torch.Tensor, runs: DeviceRuns
+) -> tuple[np.ndarray, list[np.ndarray]]:
+    """The kernels' status word and each space's batch run offsets, in one host read.
+
+    Raises the first negative page the kernels recorded.
+    """
+    from gpu_planner.kernels.status import NUM_SLOTS
+
+    metadata = copy_to_host(torch.cat([status, runs.batch_run_offsets.flatten()])).numpy()
+    raise_recorded_negative_page(metadata[:NUM_SLOTS])
+    return metadata[:NUM_SLOTS], list(metadata[NUM_SLOTS:].reshape(runs.num_spaces, -1))
 
 
 def _run_list_from_host(space: cpu_backend.SpaceRuns, device: torch.device) -> RunList:
@@ -87,15 +111,14 @@ def _run_list_from_host(space: cpu_backend.SpaceRuns, device: torch.device) -> R
 
 def _group_runs_with_kernels(pages: dict[str, torch.Tensor], batch_pages: int) -> list[RunList]:
     from gpu_planner.kernels.run_scan import launch_group_runs
-    from gpu_planner.kernels.status import NUM_SLOTS, new_status
+    from gpu_planner.kernels.status import new_status
 
     status = new_status(pages["src_pages"].device)
     runs = launch_group_runs(
         pages["src_pages"], pages["dst_pages"], pages.get("dst_device_pages"), batch_pages, status
     )
-    metadata = copy_to_host(torch.cat([status, runs.batch_run_offsets.flatten()])).numpy()
-    raise_recorded_negative_page(metadata[:NUM_SLOTS])
-    run_counts = metadata[NUM_SLOTS:].reshape(runs.num_spaces, -1)[:, -1]
+    _, batch_run_offsets = read_device_counts(status, runs)
+    run_counts = [int(offsets[-1]) for offsets in batch_run_offsets]
     return [
         RunList(
             src_starts=runs.src_starts[space, :count],
@@ -103,5 +126,5 @@ def _group_runs_with_kernels(pages: dict[str, torch.Tensor], batch_pages: int) -
             lengths=runs.page_ends[space, :count] - runs.page_starts[space, :count],
             batch_run_offsets=runs.batch_run_offsets[space],
         )
-        for space, count in enumerate(run_counts.tolist())
+        for space, count in enumerate(run_counts)
     ]
