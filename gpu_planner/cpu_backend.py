@@ -1,30 +1,59 @@
-"""Vectorised NumPy backend: the same pipeline as the Triton kernels, for CPU tensors."""
+"""Compiled CPU backend: the planner's two passes as Numba loops, for CPU tensors.
+
+`_scan_pages` checks the pages, walks each space's page lists once to find its
+runs and batch cuts, checks the registered bounds and counts the descriptors;
+`_expand` then writes every (src_addr, dst_addr, length) once. A NumPy version
+needed dozens of calls and several passes over the descriptor columns; right
+after other Python work has left the caches cold, as in a scheduler loop, it
+was 2-3x slower (see bench/README.md). Numba is already a dependency of
+sglang. `nogil` lets sender threads plan concurrently; `cache` keeps the
+machine code across processes. Arrays are allocated by NumPy, which backs
+large ones with huge pages (4x faster to first touch than Numba's allocator).
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
+import numba
 import numpy as np
 
-from gpu_planner.layout import BufferLayout
+from gpu_planner.inputs import PAGE_ARGUMENTS, negative_page_error
+from gpu_planner.layout import DEVICE_SPACE, HOST_SPACE, BufferLayout
+
+_compiled = numba.njit(cache=True, nogil=True)
+_NO_FAILURE = -1
+_OUT_OF_BOUNDS = len(PAGE_ARGUMENTS)  # a failure code after the page arguments' indices
+_DESCRIPTORS = 2  # the row of `counts` that holds descriptor offsets
 
 
 @dataclass
 class SpaceRuns:
     """Runs of one destination page space, in page order."""
 
-    page_starts: np.ndarray  # int64: position of each run's first page in the page lists
-    starts: np.ndarray  # int64 [2, runs]: first source page, first destination page of each run
-    lengths: np.ndarray  # int64: pages per run
+    table: np.ndarray  # int64 [3, runs]: first source page, first destination page, pages
     batch_run_offsets: np.ndarray  # int64 [num_batches + 1]: first run of each batch, then total
 
     @property
     def src_starts(self) -> np.ndarray:
-        return self.starts[0]
+        return self.table[0]
 
     @property
     def dst_starts(self) -> np.ndarray:
-        return self.starts[1]
+        return self.table[1]
+
+    @property
+    def lengths(self) -> np.ndarray:
+        return self.table[2]
+
+
+class CpuPlan(NamedTuple):
+    """A request's descriptors from the CPU backend."""
+
+    batch_run_offsets: list[np.ndarray]  # per space: first run of each batch, then the total
+    batch_offsets: np.ndarray  # int64 [num_batches + 1]: first descriptor of each batch, then N
+    columns: np.ndarray  # int64 [3, N]: src_addrs, dst_addrs, lengths
 
 
 def batch_page_count(num_pages: int, max_batch_pages: int) -> int:
@@ -32,202 +61,237 @@ def batch_page_count(num_pages: int, max_batch_pages: int) -> int:
     return max_batch_pages if 0 < max_batch_pages < num_pages else max(num_pages, 1)
 
 
-def group_runs(
-    src_pages: np.ndarray, dst_pages_per_space: list[np.ndarray], max_batch_pages: int
-) -> list[SpaceRuns]:
-    """Split the page lists into runs for every destination space (they share `src_pages`)."""
-    num_pages = len(src_pages)
-    if num_pages == 0:
-        empty = np.zeros(0, dtype=np.int64)
-        no_runs = SpaceRuns(empty, np.zeros((2, 0), np.int64), empty, np.zeros(1, np.int64))
-        return [no_runs for _ in dst_pages_per_space]
-    src = src_pages.astype(np.int64, copy=False)
-    src_breaks = _steps_not_one(src)
-    batch_pages = batch_page_count(num_pages, max_batch_pages)
-    batch_starts = np.arange(0, num_pages, batch_pages, dtype=np.int64)
-    src_breaks[batch_starts[1:] - 1] = True  # a batch cut always starts a run
-    spaces = []
-    for dst_pages in dst_pages_per_space:
-        dst = dst_pages.astype(np.int64, copy=False)
-        breaks = np.flatnonzero(src_breaks | _steps_not_one(dst))
-        page_starts = np.empty(len(breaks) + 1, dtype=np.int64)
-        page_starts[0] = 0
-        np.add(breaks, 1, out=page_starts[1:])
-        page_ends = np.append(page_starts[1:], num_pages)
-        batch_run_offsets = np.empty(len(batch_starts) + 1, dtype=np.int64)
-        batch_run_offsets[:-1] = np.searchsorted(page_starts, batch_starts)
-        batch_run_offsets[-1] = len(page_starts)
-        spaces.append(
-            SpaceRuns(
-                page_starts=page_starts,
-                starts=np.stack((src[page_starts], dst[page_starts])),
-                lengths=page_ends - page_starts,
-                batch_run_offsets=batch_run_offsets,
-            )
+@_compiled
+def _first_negative(pages):
+    """Position of the first negative page, or -1."""
+    for position in range(pages.shape[0]):
+        if pages[position] < 0:
+            return position
+    return -1
+
+
+@_compiled
+def _scan_runs(src_pages, dst_pages, batch_pages, table, batch_run_offsets):
+    """Fill `table` (room for one run per page) and `batch_run_offsets`; return the run count.
+
+    A run starts at page 0, at every batch cut, and wherever the source or the
+    destination page does not follow the run's last page.
+    """
+    num_runs = 0
+    for page in range(src_pages.shape[0]):
+        src = src_pages[page]
+        dst = dst_pages[page]
+        at_cut = page % batch_pages == 0
+        if at_cut:
+            batch_run_offsets[page // batch_pages] = num_runs
+        last = num_runs - 1
+        if (
+            at_cut
+            or src != table[0, last] + table[2, last]
+            or dst != table[1, last] + table[2, last]
+        ):
+            table[0, num_runs] = src
+            table[1, num_runs] = dst
+            table[2, num_runs] = 1
+            num_runs += 1
+        else:
+            table[2, last] += 1
+    batch_run_offsets[-1] = num_runs
+    return num_runs
+
+
+@_compiled
+def _within_bounds(table, num_runs, in_space, item_lens, src_limits, dst_limits):
+    """Whether the first `num_runs` runs of `table` fit every buffer `in_space` on both sides."""
+    src_end = 0
+    dst_end = 0
+    for run in range(num_runs):
+        src_end = max(src_end, table[0, run] + table[2, run])
+        dst_end = max(dst_end, table[1, run] + table[2, run])
+    for buffer in range(item_lens.shape[0]):
+        if in_space[buffer]:
+            item_len = item_lens[buffer]  # end * item_len > limit, without overflow:
+            if src_end > src_limits[buffer] // item_len or dst_end > dst_limits[buffer] // item_len:
+                return False
+    return True
+
+
+@_compiled
+def _scan_pages(
+    src_pages,
+    dst_pages,
+    dst_device_pages,
+    num_spaces,
+    batch_pages,
+    dst_is_device,
+    item_lens,
+    check_bounds,
+    src_limits,
+    dst_limits,
+    tables,
+    counts,
+):
+    """Runs of every space into `tables` [2, 3, pages], offsets into `counts`; (failure, position).
+
+    `counts[space]` gets each batch's first run of that space, then its total
+    (a single space fills both rows); `counts[_DESCRIPTORS]` gets each batch's
+    first descriptor, then N. `failure` is the argument index of the first
+    negative page (at `position`), _OUT_OF_BOUNDS when a run passes a
+    registered bound, else _NO_FAILURE.
+    """
+    page_lists = (src_pages, dst_pages, dst_device_pages)
+    for argument in range(1 + num_spaces):
+        position = _first_negative(page_lists[argument])
+        if position >= 0:
+            return argument, position
+    failure = _NO_FAILURE
+    for space in range(num_spaces):
+        num_runs = _scan_runs(
+            src_pages, page_lists[1 + space], batch_pages, tables[space], counts[space]
         )
-    return spaces
+        in_space = dst_is_device == (space == DEVICE_SPACE)
+        if check_bounds and not _within_bounds(
+            tables[space], num_runs, in_space, item_lens, src_limits, dst_limits
+        ):
+            failure = _OUT_OF_BOUNDS
+    if num_spaces == 1:
+        counts[DEVICE_SPACE] = counts[HOST_SPACE]
+    num_device_buffers = dst_is_device.sum()
+    num_host_buffers = dst_is_device.shape[0] - num_device_buffers
+    for batch in range(counts.shape[1]):
+        counts[_DESCRIPTORS, batch] = (
+            num_host_buffers * counts[HOST_SPACE, batch]
+            + num_device_buffers * counts[DEVICE_SPACE, batch]
+        )
+    return failure, 0
 
 
-def _steps_not_one(pages: np.ndarray) -> np.ndarray:
-    """Where page i + 1 does not follow page i (length n - 1)."""
-    return pages[1:] != pages[:-1] + 1
+@_compiled
+def _expand(tables, counts, dst_is_device, src_ptrs, dst_ptrs, item_lens, columns):
+    """columns[:, slot] for every (batch, buffer, run), in that order; one write per value.
 
-
-def descriptor_batch_offsets(
-    layout: BufferLayout, batch_run_offsets: list[np.ndarray]
-) -> np.ndarray:
-    """Descriptor offset of each batch (then the total): every buffer adds its space's runs."""
-    offsets = layout.num_host_buffers * batch_run_offsets[0]
-    if layout.num_device_buffers:
-        offsets = offsets + layout.num_device_buffers * batch_run_offsets[1]
-    return offsets
-
-
-def expand_descriptors(
-    layout: BufferLayout, spaces: list[SpaceRuns], batch_offsets: np.ndarray, max_batch_pages: int
-) -> np.ndarray:
-    """Descriptor columns [3, N] (src_addr, dst_addr, length), batch-major, buffer-major.
-
-    Three strategies give the same columns; the cheapest is picked by shape:
-    large blocks (one per batch and stretch of same-space buffers) are written
-    in place; small pieces are computed per space and gathered with one
-    concatenate; with a huge number of pieces (tiny batch limits) every
-    descriptor is scattered to its slot, as the Triton kernel does. `batch_offsets`
-    is `descriptor_batch_offsets` of these runs.
+    Each buffer's piece is three loops over contiguous rows, which LLVM vectorises.
     """
-    columns = np.empty((3, int(batch_offsets[-1])), dtype=np.int64)
-    num_batches = len(batch_offsets) - 1
-    if not columns.shape[1]:
-        return columns
-    num_blocks = num_batches * len(layout.segments)
-    if columns.shape[1] >= num_blocks * _MIN_IN_PLACE_BLOCK:
-        _write_blocks_in_place(columns, batch_offsets, layout, spaces)
-    elif num_batches * layout.num_buffers <= _MAX_CONCATENATED_PIECES:
-        _concatenate_pieces(columns, layout, spaces)
-    else:
-        _scatter_descriptors(columns, batch_offsets, layout, spaces, max_batch_pages)
-    return columns
+    out_srcs, out_dsts, out_lens = columns[0], columns[1], columns[2]
+    slot = 0
+    for batch in range(counts.shape[1] - 1):
+        for buffer in range(dst_is_device.shape[0]):
+            space = DEVICE_SPACE if dst_is_device[buffer] else HOST_SPACE
+            first, end = counts[space, batch], counts[space, batch + 1]
+            count = end - first
+            src_starts = tables[space, 0, first:end]
+            dst_starts = tables[space, 1, first:end]
+            lengths = tables[space, 2, first:end]
+            srcs = out_srcs[slot : slot + count]
+            dsts = out_dsts[slot : slot + count]
+            lens = out_lens[slot : slot + count]
+            item_len, src_ptr, dst_ptr = item_lens[buffer], src_ptrs[buffer], dst_ptrs[buffer]
+            for run in range(count):
+                srcs[run] = src_ptr + src_starts[run] * item_len
+            for run in range(count):
+                dsts[run] = dst_ptr + dst_starts[run] * item_len
+            for run in range(count):
+                lens[run] = lengths[run] * item_len
+            slot += count
 
 
-# A block written in place costs ~20 us of NumPy calls; gathering costs one more
-# pass (~2.5 ns per descriptor). In place wins for blocks of ~8k descriptors.
-_MIN_IN_PLACE_BLOCK = 8192
-_MAX_CONCATENATED_PIECES = 1 << 17
+_NO_BUFFERS = BufferLayout([], [], [])
 
 
-def _write_blocks_in_place(
-    columns: np.ndarray, batch_offsets: np.ndarray, layout: BufferLayout, spaces: list[SpaceRuns]
-) -> None:
-    """Per batch and stretch of same-space buffers, fill that contiguous block directly."""
-    for batch, start in enumerate(batch_offsets[:-1].tolist()):
-        for space_id, ranks in layout.segments:
-            first, last = spaces[space_id].batch_run_offsets[batch : batch + 2].tolist()
-            num_buffers = ranks.stop - ranks.start
-            end = start + num_buffers * (last - first)
-            block = columns[:, start:end].reshape(3, num_buffers, last - first)
-            _fill(block, layout, space_id, ranks, slice(first, last), spaces[space_id])
-            start = end
+def _scan(
+    pages: dict[str, np.ndarray], max_batch_pages: int, layout: BufferLayout
+) -> tuple[np.ndarray, np.ndarray, bool]:
+    """`_scan_pages` with arrays from NumPy; raise for a negative page.
 
-
-def _concatenate_pieces(columns: np.ndarray, layout: BufferLayout, spaces: list[SpaceRuns]) -> None:
-    """Gather each (batch, buffer)'s runs in one concatenate, then scale and offset them all.
-
-    The runs are stacked as (src_start, dst_start, length) rows per space, so a
-    piece is a slice and the whole gather is one call; item lengths and
-    pointers are repeated per descriptor. A handful of NumPy calls in all,
-    whatever the layout: what matters when caches are cold.
+    Returns (tables, counts, whether a run passes a registered bound).
     """
-    runs = [np.concatenate((space.starts, space.lengths[None])) for space in spaces]
-    offsets = [space.batch_run_offsets.tolist() for space in spaces]
-    buffer_spaces = layout.space.tolist()
-    pieces = [
-        runs[space_id][:, offsets[space_id][batch] : offsets[space_id][batch + 1]]
-        for batch in range(len(offsets[0]) - 1)
-        for space_id in buffer_spaces
-    ]
-    np.concatenate(pieces, axis=1, out=columns)
-    runs_per_batch = np.stack([np.diff(space.batch_run_offsets) for space in spaces])
-    counts = runs_per_batch[layout.space].T.ravel()  # descriptors per (batch, buffer) piece
-    num_batches = runs_per_batch.shape[1]
-    columns *= np.repeat(np.tile(layout.item_lens, num_batches), counts)
-    ptrs = np.stack((layout.src_ptrs, layout.dst_ptrs))
-    columns[:2] += np.repeat(np.tile(ptrs, num_batches), counts, axis=1)
-
-
-def _fill(
-    block: np.ndarray,
-    layout: BufferLayout,
-    space_id: int,
-    ranks: slice,
-    runs: slice,
-    space: SpaceRuns,
-) -> None:
-    """block[:, b, r] = (src_addr, dst_addr, length) of space buffer `ranks[b]`, run `runs[r]`."""
-    item_lens = layout.space_item_lens[space_id][ranks]
-    ptrs = layout.space_ptrs[space_id][:, ranks]
-    np.multiply(space.starts[:, None, runs], item_lens[None, :, None], out=block[:2])
-    block[:2] += ptrs[:, :, None]
-    np.multiply(space.lengths[runs], item_lens[:, None], out=block[2])
-
-
-def _scatter_descriptors(
-    columns: np.ndarray,
-    batch_offsets: np.ndarray,
-    layout: BufferLayout,
-    spaces: list[SpaceRuns],
-    max_batch_pages: int,
-) -> None:
-    """Write every (buffer, run) descriptor at its slot, computed as the Triton kernel does."""
-    num_pages = int(spaces[0].page_starts[-1] + spaces[0].lengths[-1])
+    arrays = [np.ascontiguousarray(values, dtype=np.int64) for values in pages.values()]
+    num_pages = len(arrays[0])
     batch_pages = batch_page_count(num_pages, max_batch_pages)
-    runs_per_batch = [np.diff(space.batch_run_offsets) for space in spaces]
-    for space_id, space in enumerate(spaces):
-        buffers = layout.space_buffers[space_id]
-        if not buffers.size:
-            continue
-        run_batch = space.page_starts // batch_pages
-        run_in_batch = np.arange(len(space.page_starts)) - space.batch_run_offsets[run_batch]
-        slots = batch_offsets[run_batch] + run_in_batch
-        slots = slots + np.outer(layout.host_before[buffers], runs_per_batch[0][run_batch])
-        if len(spaces) > 1:
-            slots += np.outer(layout.device_before[buffers], runs_per_batch[1][run_batch])
-        values = np.empty((3, *slots.shape), dtype=np.int64)
-        _fill(values, layout, space_id, slice(None), slice(None), space)
-        columns[:, slots.ravel()] = values.reshape(3, -1)
+    tables = np.empty((2, 3, num_pages), dtype=np.int64)
+    counts = np.empty((3, -(-num_pages // batch_pages) + 1), dtype=np.int64)
+    failure, position = _scan_pages(
+        arrays[0],
+        arrays[1],
+        arrays[-1],
+        len(arrays) - 1,
+        batch_pages,
+        layout.dst_is_device,
+        layout.item_lens,
+        layout.has_bounds,
+        layout.bound_limits("src"),
+        layout.bound_limits("dst"),
+        tables,
+        counts,
+    )
+    if failure not in (_NO_FAILURE, _OUT_OF_BOUNDS):
+        name = list(pages)[failure]
+        raise negative_page_error(name, position, int(arrays[failure][position]))
+    return tables, counts, failure == _OUT_OF_BOUNDS
+
+
+def _space_runs(tables: np.ndarray, counts: np.ndarray, num_spaces: int) -> list[SpaceRuns]:
+    return [
+        SpaceRuns(tables[space, :, : counts[space, -1]], counts[space])
+        for space in range(num_spaces)
+    ]
+
+
+def group_runs(pages: dict[str, np.ndarray], max_batch_pages: int) -> list[SpaceRuns]:
+    """Runs of every destination space; `pages` maps argument names to 1-D page arrays.
+
+    The first array is the source pages, then one destination array per space.
+    """
+    tables, counts, _ = _scan(pages, max_batch_pages, _NO_BUFFERS)
+    return _space_runs(tables, counts, len(pages) - 1)
+
+
+def plan_descriptors(
+    layout: BufferLayout, pages: dict[str, np.ndarray], max_batch_pages: int
+) -> CpuPlan:
+    """Plan one request; raise for a negative page or a run past a registered bound.
+
+    `pages` maps argument names (src_pages, dst_pages and, for layouts with
+    device-backed buffers, dst_device_pages) to 1-D integer arrays.
+    """
+    tables, counts, out_of_bounds = _scan(pages, max_batch_pages, layout)
+    num_spaces = len(pages) - 1
+    if out_of_bounds:
+        spaces = _space_runs(tables, counts, num_spaces)
+        raise layout.bounds_error(*first_bounds_violation(layout, spaces))
+    columns = np.empty((3, counts[_DESCRIPTORS, -1]), dtype=np.int64)
+    _expand(
+        tables,
+        counts,
+        layout.dst_is_device,
+        layout.src_ptrs,
+        layout.dst_ptrs,
+        layout.item_lens,
+        columns,
+    )
+    return CpuPlan(list(counts[:num_spaces]), counts[_DESCRIPTORS], columns)
 
 
 def first_bounds_violation(
     layout: BufferLayout, spaces: list[SpaceRuns]
-) -> tuple[int, str, int, int] | None:
-    """First (buffer, side, page_start, num_pages) reaching past a registered length.
+) -> tuple[int, str, int, int]:
+    """The first (buffer, side, page_start, num_pages) reaching past a registered length.
 
     Order: buffer in layout order, then run in page order, destination side
-    first: the order the Triton kernel's atomic-min key encodes.
+    first: the order the Triton kernel's atomic-min key encodes. Called once
+    `_scan_pages` has found such a run, to name it.
     """
-    if not layout.has_bounds:
-        return None
-    limits = {"dst": layout.bound_limits("dst"), "src": layout.bound_limits("src")}
-    first_buffer = None
-    for space_id, space in enumerate(spaces):
-        buffers = layout.space_buffers[space_id]
-        if not buffers.size or not space.lengths.size:
-            continue
-        items = layout.item_lens[buffers]
-        bad = np.zeros(buffers.size, dtype=bool)
-        for side, starts in (("dst", space.dst_starts), ("src", space.src_starts)):
-            bad |= int((starts + space.lengths).max()) * items > limits[side][buffers]
-        if bad.any():
-            candidate = int(buffers[bad][0])
-            first_buffer = candidate if first_buffer is None else min(first_buffer, candidate)
-    if first_buffer is None:
-        return None
-    space = spaces[int(layout.space[first_buffer])]
-    item_len = int(layout.item_lens[first_buffer])
-    over = {
-        side: (starts + space.lengths) * item_len > limits[side][first_buffer]
-        for side, starts in (("dst", space.dst_starts), ("src", space.src_starts))
-    }
-    run = int(np.flatnonzero(over["dst"] | over["src"])[0])
-    side = "dst" if over["dst"][run] else "src"
-    starts = space.dst_starts if side == "dst" else space.src_starts
-    return first_buffer, side, int(starts[run]), int(space.lengths[run])
+    for buffer in range(layout.num_buffers):
+        space = spaces[layout.space[buffer]]
+        item_len = int(layout.item_lens[buffer])
+        sides = {"dst": space.dst_starts, "src": space.src_starts}
+        over = {
+            side: starts + space.lengths > layout.bound_limits(side)[buffer] // item_len
+            for side, starts in sides.items()
+        }
+        runs_over = np.flatnonzero(over["dst"] | over["src"])
+        if runs_over.size:
+            run = int(runs_over[0])
+            side = "dst" if over["dst"][run] else "src"
+            return buffer, side, int(sides[side][run]), int(space.lengths[run])
+    raise RuntimeError("first_bounds_violation: every run is within its buffers' bounds")

@@ -12,23 +12,42 @@ from gpu_planner.errors import PlanValidationError
 Backend = Literal["cpu", "triton"]
 IndexLike = torch.Tensor | np.ndarray
 
+PageList = torch.Tensor | np.ndarray  # validated: a NumPy array for data in host memory
+
 _INDEX_DTYPES = (torch.int32, torch.int64)
+HOST = torch.device("cpu")
 
 
-def as_index_tensor(values: IndexLike, name: str) -> torch.Tensor:
-    """Return `values` as a 1-D int32/int64 torch tensor on its own device (no copy if possible)."""
+def as_page_list(values: IndexLike, name: str) -> PageList:
+    """A 1-D int32/int64 page list: NumPy for host data (a CPU tensor is viewed), else the tensor.
+
+    Host data is checked with NumPy alone: the CPU path never calls into torch.
+    """
+    if isinstance(values, torch.Tensor) and values.device == HOST:
+        try:
+            values = values.numpy()
+        except (TypeError, RuntimeError):  # no NumPy dtype (bfloat16) or requires grad
+            return _checked_tensor(values, name)
     if isinstance(values, np.ndarray):
-        if values.dtype.kind not in "iu":
-            raise PlanValidationError(
-                f"{name}: expected an integer array, got dtype {values.dtype}"
-            )
-        if values.dtype not in (np.int32, np.int64) or not values.flags.writeable:
-            values = values.astype(np.int64 if values.dtype != np.int32 else np.int32)
-        values = torch.from_numpy(values)
-    elif not isinstance(values, torch.Tensor):
+        return _checked_array(values, name)
+    if not isinstance(values, torch.Tensor):
         raise PlanValidationError(
             f"{name}: expected a torch tensor or NumPy array, got {type(values).__name__}"
         )
+    return _checked_tensor(values, name)
+
+
+def _checked_array(values: np.ndarray, name: str) -> np.ndarray:
+    if values.dtype.kind not in "iu":
+        raise PlanValidationError(f"{name}: expected an integer array, got dtype {values.dtype}")
+    if values.ndim != 1:
+        raise PlanValidationError(f"{name}: expected a 1-D tensor, got shape {values.shape}")
+    if values.dtype not in (np.int32, np.int64):
+        values = values.astype(np.int64)
+    return values
+
+
+def _checked_tensor(values: torch.Tensor, name: str) -> torch.Tensor:
     if values.dim() != 1:
         raise PlanValidationError(f"{name}: expected a 1-D tensor, got shape {tuple(values.shape)}")
     if values.dtype not in _INDEX_DTYPES:
@@ -36,6 +55,23 @@ def as_index_tensor(values: IndexLike, name: str) -> torch.Tensor:
             raise PlanValidationError(f"{name}: expected an integer tensor, got {values.dtype}")
         values = values.to(torch.int64)
     return values
+
+
+def as_tensor(pages: PageList) -> torch.Tensor:
+    """The page list as a torch tensor (host arrays are shared, or copied if read-only)."""
+    if isinstance(pages, torch.Tensor):
+        return pages
+    return torch.from_numpy(pages if pages.flags.writeable else pages.copy())
+
+
+def as_host_array(pages: PageList) -> np.ndarray:
+    """The page list as a NumPy array in host memory (device tensors are copied back)."""
+    return pages if isinstance(pages, np.ndarray) else pages.cpu().numpy()
+
+
+def as_index_tensor(values: IndexLike, name: str) -> torch.Tensor:
+    """Return `values` as a 1-D int32/int64 torch tensor on its own device (no copy if possible)."""
+    return as_tensor(as_page_list(values, name))
 
 
 def check_page_size(page_size: int) -> None:
@@ -50,22 +86,25 @@ def check_max_batch_pages(max_batch_pages: int) -> None:
         )
 
 
-def check_same_length(first: torch.Tensor, first_name: str, other: torch.Tensor, name: str) -> None:
-    if other.numel() != first.numel():
+def check_same_length(first: PageList, first_name: str, other: PageList, name: str) -> None:
+    if len(other) != len(first):
         raise PlanValidationError(
-            f"{name}: has {other.numel()} pages but {first_name} has {first.numel()}; "
+            f"{name}: has {len(other)} pages but {first_name} has {len(first)}; "
             "page lists are transferred pairwise and must have equal lengths"
         )
 
 
-def check_same_device(tensors: dict[str, torch.Tensor]) -> torch.device:
-    devices = {name: t.device for name, t in tensors.items()}
+def check_same_device(page_lists: dict[str, PageList]) -> torch.device:
+    devices = {
+        name: HOST if isinstance(pages, np.ndarray) else pages.device
+        for name, pages in page_lists.items()
+    }
     first_name, device = next(iter(devices.items()))
     for name, other in devices.items():
         if other != device:
             raise PlanValidationError(
                 f"{name}: is on {other} but {first_name} is on {device}; "
-                "all page tensors must be on one device"
+                "all page lists must be on one device"
             )
     return device
 
@@ -75,12 +114,12 @@ PAGE_ARGUMENTS = ("src_pages", "dst_pages", "dst_device_pages")
 
 def collect_pages(
     src_pages: IndexLike, dst_pages: IndexLike, dst_device_pages: IndexLike | None
-) -> tuple[dict[str, torch.Tensor], torch.device]:
-    """Validated page tensors by argument name (equal lengths, one device)."""
-    pages = {"src_pages": as_index_tensor(src_pages, "src_pages")}
-    pages["dst_pages"] = as_index_tensor(dst_pages, "dst_pages")
+) -> tuple[dict[str, PageList], torch.device]:
+    """Validated page lists by argument name (equal lengths, one device)."""
+    pages = {"src_pages": as_page_list(src_pages, "src_pages")}
+    pages["dst_pages"] = as_page_list(dst_pages, "dst_pages")
     if dst_device_pages is not None:
-        pages["dst_device_pages"] = as_index_tensor(dst_device_pages, "dst_device_pages")
+        pages["dst_device_pages"] = as_page_list(dst_device_pages, "dst_device_pages")
     for name in PAGE_ARGUMENTS[1:]:
         if name in pages:
             check_same_length(pages["src_pages"], "src_pages", pages[name], name)
@@ -90,16 +129,6 @@ def collect_pages(
 def negative_page_error(name: str, position: int, value: int | None = None) -> PlanValidationError:
     shown = "" if value is None else f" = {value}"
     return PlanValidationError(f"{name}[{position}]{shown}: page indices must be >= 0")
-
-
-def check_no_negative_pages(arrays: dict[str, np.ndarray]) -> None:
-    """Raise for the first negative page of the first argument that has one (host arrays)."""
-    for name, values in arrays.items():
-        if not values.size or values.min() >= 0:
-            continue
-        negative = np.flatnonzero(values < 0)
-        if negative.size:
-            raise negative_page_error(name, int(negative[0]), int(values[negative[0]]))
 
 
 def raise_recorded_negative_page(status: np.ndarray) -> None:

@@ -96,6 +96,11 @@ class BufferLayout:
                 first_rank = int(self.space_rank[buffers[0]])
                 ranks = slice(first_rank, first_rank + buffers.size)
                 self.segments.append((int(self.space[buffers[0]]), ranks))
+        unbounded = np.full(self.num_buffers, np.iinfo(np.int64).max, dtype=np.int64)
+        self._bound_limits = {
+            "src": unbounded if self.src_lens is None else self.src_lens,
+            "dst": unbounded if self.dst_lens is None else self.dst_lens,
+        }
         self._device_tables: dict[torch.device, dict[str, torch.Tensor]] = {}
 
     @property
@@ -103,15 +108,11 @@ class BufferLayout:
         return self.src_lens is not None or self.dst_lens is not None
 
     def first_device_buffer(self) -> int | None:
-        hits = np.flatnonzero(self.dst_is_device)
-        return int(hits[0]) if hits.size else None
+        return int(self.space_buffers[DEVICE_SPACE][0]) if self.num_device_buffers else None
 
     def bound_limits(self, side: str) -> np.ndarray:
         """Registered byte length per buffer on `side` ("src"/"dst"); int64 max when unknown."""
-        lens = self.dst_lens if side == "dst" else self.src_lens
-        if lens is None:
-            return np.full(self.num_buffers, np.iinfo(np.int64).max, dtype=np.int64)
-        return lens
+        return self._bound_limits[side]
 
     def bounds_error(self, buffer: int, side: str, page_start: int, num_pages: int) -> BoundsError:
         """The error for `buffer`'s descriptor over pages [page_start, +num_pages) on `side`."""

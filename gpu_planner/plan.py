@@ -13,13 +13,16 @@ from gpu_planner.errors import PlanValidationError
 from gpu_planner.inputs import (
     Backend,
     IndexLike,
+    PageList,
+    as_host_array,
+    as_tensor,
     check_max_batch_pages,
     collect_pages,
     resolve_backend,
 )
 from gpu_planner.layout import BufferLayout
 from gpu_planner.profiling import nvtx_range
-from gpu_planner.runs import group_runs_on_cpu, read_device_counts
+from gpu_planner.runs import read_device_counts
 from gpu_planner.staging import copy_to_host
 
 Descriptors = tuple[list[int], list[int], list[int]]
@@ -55,7 +58,10 @@ class TransferPlan:
     def _set_run_counts(self, batch_run_offsets: list[np.ndarray]) -> int:
         """Record each space's runs per batch; return the descriptor count they imply."""
         self._batch_run_offsets = batch_run_offsets
-        self._batch_offsets = cpu_backend.descriptor_batch_offsets(self.layout, batch_run_offsets)
+        host_runs, device_runs = batch_run_offsets[0], batch_run_offsets[-1]
+        self._batch_offsets = (
+            self.layout.num_host_buffers * host_runs + self.layout.num_device_buffers * device_runs
+        )
         return int(self._batch_offsets[-1])
 
     def materialize(self) -> TransferPlan:
@@ -176,7 +182,7 @@ def plan_transfer(
         )
     if not layout.num_device_buffers:
         pages.pop("dst_device_pages", None)
-    num_pages = pages["src_pages"].numel()
+    num_pages = len(pages["src_pages"])
     batch_pages = cpu_backend.batch_page_count(num_pages, max_batch_pages)
     plan = TransferPlan(layout, num_batches=-(-num_pages // batch_pages))
     if resolve_backend(backend, device) == "cpu":
@@ -190,24 +196,20 @@ def plan_transfer(
     return plan
 
 
-def _plan_on_cpu(plan: TransferPlan, pages: dict[str, torch.Tensor], max_batch_pages: int) -> None:
-    spaces = group_runs_on_cpu(pages, max_batch_pages)
-    violation = cpu_backend.first_bounds_violation(plan.layout, spaces)
-    if violation is not None:
-        raise plan.layout.bounds_error(*violation)
-    plan._set_run_counts([space.batch_run_offsets for space in spaces])
-    plan._columns = torch.from_numpy(
-        cpu_backend.expand_descriptors(plan.layout, spaces, plan._batch_offsets, max_batch_pages)
-    )
+def _plan_on_cpu(plan: TransferPlan, pages: dict[str, PageList], max_batch_pages: int) -> None:
+    arrays = {name: as_host_array(values) for name, values in pages.items()}
+    planned = cpu_backend.plan_descriptors(plan.layout, arrays, max_batch_pages)
+    plan._batch_run_offsets = planned.batch_run_offsets
+    plan._batch_offsets = planned.batch_offsets
+    plan._columns = torch.from_numpy(planned.columns)
 
 
-def _plan_with_kernels(
-    plan: TransferPlan, pages: dict[str, torch.Tensor], batch_pages: int
-) -> None:
+def _plan_with_kernels(plan: TransferPlan, pages: dict[str, PageList], batch_pages: int) -> None:
     from gpu_planner.kernels.expand_descriptors import launch_expand_descriptors
     from gpu_planner.kernels.run_scan import launch_group_runs
     from gpu_planner.kernels.status import new_status
 
+    pages = {name: as_tensor(values) for name, values in pages.items()}
     device = pages["src_pages"].device
     status = new_status(device)
     runs = launch_group_runs(

@@ -12,8 +12,10 @@ from gpu_planner import cpu_backend
 from gpu_planner.inputs import (
     Backend,
     IndexLike,
+    PageList,
+    as_host_array,
+    as_tensor,
     check_max_batch_pages,
-    check_no_negative_pages,
     collect_pages,
     raise_recorded_negative_page,
     resolve_backend,
@@ -60,11 +62,12 @@ def group_runs(
     """
     pages, device = collect_pages(src_pages, dst_pages, dst_device_pages)
     check_max_batch_pages(max_batch_pages)
-    num_pages = pages["src_pages"].numel()
+    num_pages = len(pages["src_pages"])
     batch_pages = cpu_backend.batch_page_count(num_pages, max_batch_pages)
     num_batches = -(-num_pages // batch_pages)
     if resolve_backend(backend, device) == "cpu":
-        spaces = group_runs_on_cpu(pages, max_batch_pages)
+        arrays = {name: as_host_array(values) for name, values in pages.items()}
+        spaces = cpu_backend.group_runs(arrays, max_batch_pages)
         run_lists = [_run_list_from_host(space, device) for space in spaces]
     else:
         run_lists = _group_runs_with_kernels(pages, batch_pages)
@@ -73,16 +76,6 @@ def group_runs(
         device=run_lists[1] if len(run_lists) > 1 else None,
         num_batches=num_batches,
     )
-
-
-def group_runs_on_cpu(
-    pages: dict[str, torch.Tensor], max_batch_pages: int
-) -> list[cpu_backend.SpaceRuns]:
-    """CPU-backend runs of validated page tensors (src, dst, then device dst if present)."""
-    arrays = {name: values.cpu().numpy() for name, values in pages.items()}
-    check_no_negative_pages(arrays)
-    src_pages, *dst_pages_per_space = arrays.values()
-    return cpu_backend.group_runs(src_pages, dst_pages_per_space, max_batch_pages)
 
 
 def read_device_counts(
@@ -109,10 +102,11 @@ def _run_list_from_host(space: cpu_backend.SpaceRuns, device: torch.device) -> R
     )
 
 
-def _group_runs_with_kernels(pages: dict[str, torch.Tensor], batch_pages: int) -> list[RunList]:
+def _group_runs_with_kernels(pages: dict[str, PageList], batch_pages: int) -> list[RunList]:
     from gpu_planner.kernels.run_scan import launch_group_runs
     from gpu_planner.kernels.status import new_status
 
+    pages = {name: as_tensor(values) for name, values in pages.items()}
     status = new_status(pages["src_pages"].device)
     runs = launch_group_runs(
         pages["src_pages"], pages["dst_pages"], pages.get("dst_device_pages"), batch_pages, status

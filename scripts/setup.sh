@@ -44,8 +44,10 @@ fi
 case "$mode" in
   demo) pip_install -e ".[mooncake,bench]" ;;
   test)
-    pip_install -e ".[test,mooncake,bench]"
+    # sglang's pins first (numba==0.65.1 among them), so gpu-planner's looser
+    # requirements are already met by the versions sglang users run.
     pip_install -r requirements/sglang-light.txt
+    pip_install -e ".[test,mooncake,bench]"
     pip_install --no-deps "sglang==0.5.23"
     ;;
   *) echo "usage: scripts/setup.sh demo|test" >&2; exit 2 ;;

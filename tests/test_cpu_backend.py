@@ -1,31 +1,37 @@
-"""The CPU backend's three expansion strategies each equal the reference."""
+"""The compiled CPU backend: plans from concurrent threads, and inputs beyond hypothesis sizes."""
 
 from __future__ import annotations
 
-import pytest
-from hypothesis import given
-from hypothesis import strategies as st
-from pages_strategies import layouts, page_lists
-from test_plan import BATCH_LIMITS, expected_batches, plan
+from concurrent.futures import ThreadPoolExecutor
 
-from gpu_planner import cpu_backend
-
-STRATEGIES = {
-    "in-place": {"_MIN_IN_PLACE_BLOCK": 0},
-    "concatenate": {"_MIN_IN_PLACE_BLOCK": 10**18, "_MAX_CONCATENATED_PIECES": 10**9},
-    "scatter": {"_MIN_IN_PLACE_BLOCK": 10**18, "_MAX_CONCATENATED_PIECES": 0},
-}
+import numpy as np
+from pages_strategies import fragmented_pages
+from test_plan import expected_batches, plan
 
 
-@pytest.fixture(scope="module", params=list(STRATEGIES))
-def strategy(request):
-    with pytest.MonkeyPatch.context() as patch:
-        for name, value in STRATEGIES[request.param].items():
-            patch.setattr(cpu_backend, name, value)
-        yield request.param
+def _case(seed: int, num_pages: int, num_buffers: int) -> tuple[dict, dict, int]:
+    rng = np.random.default_rng(seed)
+    pages = {name: fragmented_pages(rng, num_pages, 4.0) for name in ("src", "dst", "device")}
+    layout = {
+        "src_ptrs": (rng.integers(1, 2**40, num_buffers) + 2**46).tolist(),
+        "dst_ptrs": (rng.integers(1, 2**40, num_buffers) + 2**46).tolist(),
+        "item_lens": rng.integers(1, 4096, num_buffers).tolist(),
+        "dst_is_device": (rng.random(num_buffers) < 0.5).tolist(),
+    }
+    return pages, layout, int(rng.choice([0, 5, 64, 1000]))
 
 
-@given(pages=page_lists(), layout=layouts(), max_batch_pages=st.sampled_from(BATCH_LIMITS))
-def test_each_expansion_strategy_matches_reference(strategy, pages, layout, max_batch_pages):
-    result = plan(pages, layout, max_batch_pages, "cpu", "cpu")
-    assert list(result.batches()) == expected_batches(pages, layout, max_batch_pages)
+def test_concurrent_plans_from_threads_match_reference():
+    # The kernels release the GIL (nogil): sender threads plan at the same time.
+    cases = [_case(seed, num_pages=3000, num_buffers=8) for seed in range(8)]
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        plans = list(pool.map(lambda case: plan(*case, "cpu", "cpu"), cases))
+    for result, (pages, layout, max_batch_pages) in zip(plans, cases, strict=True):
+        assert list(result.batches()) == expected_batches(pages, layout, max_batch_pages)
+
+
+def test_large_plan_matches_reference():
+    # 2^17 pages: far more runs per space than hypothesis draws, with batch cuts.
+    pages, layout, _ = _case(seed=11, num_pages=1 << 17, num_buffers=3)
+    result = plan(pages, layout, 4096, "cpu", "cpu")
+    assert list(result.batches()) == expected_batches(pages, layout, 4096)
