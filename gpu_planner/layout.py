@@ -88,6 +88,16 @@ class BufferLayout:
             np.stack((self.src_ptrs[buffers], self.dst_ptrs[buffers]))
             for buffers in self.space_buffers
         ]
+        # Buffers with one destination space and item length have equal lengths in
+        # every batch: `length_groups[b]` numbers b's group, `length_group_leaders`
+        # holds each group's first buffer.
+        keys = list(zip(self.space.tolist(), self.item_lens.tolist(), strict=True))
+        leaders: dict[tuple[int, int], int] = {}
+        for buffer, key in enumerate(keys):
+            leaders.setdefault(key, buffer)
+        group_of = {key: group for group, key in enumerate(leaders)}
+        self.length_group_leaders = list(leaders.values())
+        self.length_groups = [group_of[key] for key in keys]
         # Maximal stretches of consecutive buffers in one space: (space, slice of ranks).
         self.segments: list[tuple[int, slice]] = []
         boundaries = np.flatnonzero(np.diff(self.space)) + 1

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from itertools import chain
 from typing import NamedTuple
 
 import numpy as np
@@ -131,31 +132,48 @@ class TransferPlan:
     def batches(self) -> Iterator[Descriptors]:
         """One (srcs, dsts, lens) list triple per non-empty batch: one Mooncake call each."""
         columns = self.columns.numpy()
-        offsets = self._batch_offsets.tolist()
-        for start, end in zip(offsets[:-1], offsets[1:], strict=True):
+        for _, start, end, firsts, counts in self._batch_pieces():
             if end > start:
-                srcs, dsts, lens = columns[:, start:end].tolist()
-                yield srcs, dsts, lens
+                lens = list(chain.from_iterable(self._lengths(columns, firsts, counts)))
+                yield columns[0, start:end].tolist(), columns[1, start:end].tolist(), lens
 
     def buffer_batches(self) -> Iterator[BufferBatch]:
         """One `BufferBatch` per batch and buffer with descriptors, in plan order."""
         columns = self.columns.numpy()
+        for batch, _, _, firsts, counts in self._batch_pieces():
+            lengths = self._lengths(columns, firsts, counts)
+            for buffer, (start, count) in enumerate(zip(firsts, counts, strict=True)):
+                if count:
+                    srcs, dsts = columns[:2, start : start + count].tolist()
+                    yield BufferBatch(batch, buffer, srcs, dsts, list(lengths[buffer]))
+
+    def _batch_pieces(self) -> Iterator[tuple[int, int, int, list[int], list[int]]]:
+        """Per batch: (batch, first descriptor, end, each buffer's first descriptor and count)."""
         layout = self.layout
-        runs_per_batch = [np.diff(offsets) for offsets in self._batch_run_offsets]
-        for batch, batch_start in enumerate(self._batch_offsets[:-1].tolist()):
+        offsets = self._batch_offsets.tolist()
+        runs_per_batch = [np.diff(run_offsets) for run_offsets in self._batch_run_offsets]
+        for batch in range(len(offsets) - 1):
             host_runs = int(runs_per_batch[0][batch])
             device_runs = int(runs_per_batch[-1][batch])
-            for buffer in range(layout.num_buffers):
-                count = device_runs if layout.dst_is_device[buffer] else host_runs
-                if not count:
-                    continue
-                start = (
-                    batch_start
-                    + int(layout.host_before[buffer]) * host_runs
-                    + int(layout.device_before[buffer]) * device_runs
-                )
-                srcs, dsts, lens = columns[:, start : start + count].tolist()
-                yield BufferBatch(batch, buffer, srcs, dsts, lens)
+            firsts = offsets[batch] + layout.host_before * host_runs
+            firsts += layout.device_before * device_runs
+            counts = np.where(layout.dst_is_device, device_runs, host_runs)
+            yield batch, offsets[batch], offsets[batch + 1], firsts.tolist(), counts.tolist()
+
+    def _lengths(
+        self, columns: np.ndarray, firsts: list[int], counts: list[int]
+    ) -> list[list[int]]:
+        """Each buffer's lengths in one batch, as Python ints.
+
+        Buffers of one length group (same space and item length) have equal
+        lengths, so they share one list of int objects: building `lens` costs
+        a pointer copy per descriptor instead of an int allocation.
+        """
+        group_lengths = [
+            columns[2, firsts[leader] : firsts[leader] + counts[leader]].tolist()
+            for leader in self.layout.length_group_leaders
+        ]
+        return [group_lengths[group] for group in self.layout.length_groups]
 
 
 def plan_transfer(

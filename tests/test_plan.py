@@ -137,3 +137,21 @@ def test_numpy_inputs_match_tensor_inputs():
     from_numpy = gp.plan_transfer(src, dst, layout)
     from_torch = gp.plan_transfer(torch.from_numpy(src), torch.from_numpy(dst), layout)
     assert list(from_numpy.batches()) == list(from_torch.batches())
+
+
+def test_buffers_of_one_length_group_share_length_objects():
+    # Buffers 0 and 1 share a space and an item length, so their lengths are the
+    # same int objects (no allocation per descriptor); buffer 2's differ.
+    src = np.array([10, 11, 12, 40, 41])
+    dst = np.array([5, 6, 7, 8, 20])
+    layout = gp.BufferLayout(
+        [2**46, 2**46 + 2**30, 2**45], [2**47, 2**47 + 2**30, 2**44], [4096, 4096, 8192]
+    )
+    result = gp.plan_transfer(src, dst, layout)
+    ((_, _, lens),) = result.batches()
+    assert lens == [3 * 4096, 4096, 4096] * 2 + [3 * 8192, 8192, 8192]
+    assert all(lens[run] is lens[3 + run] for run in range(3))
+    first, second, third = result.buffer_batches()
+    assert all(a is b for a, b in zip(first.lens, second.lens, strict=True))
+    assert first.lens is not second.lens  # each piece owns its list
+    assert third.lens == [3 * 8192, 8192, 8192]
