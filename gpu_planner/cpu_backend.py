@@ -272,6 +272,16 @@ def plan_descriptors(
     return CpuPlan(list(counts[:num_spaces]), counts[_DESCRIPTORS], columns)
 
 
+def compile_kernels() -> None:
+    """Compile the kernels now (or load them from Numba's cache), so no request waits for it.
+
+    Every call site passes contiguous int64/bool arrays, so one signature per
+    kernel serves all inputs.
+    """
+    pages = np.arange(2, dtype=np.int64)
+    plan_descriptors(_NO_BUFFERS, {"src_pages": pages, "dst_pages": pages}, 0)
+
+
 def first_bounds_violation(
     layout: BufferLayout, spaces: list[SpaceRuns]
 ) -> tuple[int, str, int, int]:

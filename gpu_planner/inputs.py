@@ -15,6 +15,7 @@ IndexLike = torch.Tensor | np.ndarray
 PageList = torch.Tensor | np.ndarray  # validated: a NumPy array for data in host memory
 
 _INDEX_DTYPES = (torch.int32, torch.int64)
+_INDEX_ARRAY_DTYPES = (np.dtype(np.int32), np.dtype(np.int64))
 HOST = torch.device("cpu")
 
 
@@ -42,7 +43,7 @@ def _checked_array(values: np.ndarray, name: str) -> np.ndarray:
         raise PlanValidationError(f"{name}: expected an integer array, got dtype {values.dtype}")
     if values.ndim != 1:
         raise PlanValidationError(f"{name}: expected a 1-D tensor, got shape {values.shape}")
-    if values.dtype not in (np.int32, np.int64):
+    if values.dtype not in _INDEX_ARRAY_DTYPES:
         values = values.astype(np.int64)
     return values
 

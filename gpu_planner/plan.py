@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
-from itertools import chain
 from typing import NamedTuple
 
 import numpy as np
@@ -134,7 +133,9 @@ class TransferPlan:
         columns = self.columns.numpy()
         for _, start, end, firsts, counts in self._batch_pieces():
             if end > start:
-                lens = list(chain.from_iterable(self._lengths(columns, firsts, counts)))
+                lens: list[int] = []
+                for buffer_lens in self._lengths(columns, firsts, counts):
+                    lens += buffer_lens  # one exact resize and copy per buffer
                 yield columns[0, start:end].tolist(), columns[1, start:end].tolist(), lens
 
     def buffer_batches(self) -> Iterator[BufferBatch]:

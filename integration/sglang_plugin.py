@@ -16,6 +16,7 @@ import os
 import pkgutil
 from collections.abc import Callable
 
+from gpu_planner import cpu_backend
 from gpu_planner.integration.sglang_fallback import log_fallback_once
 
 logger = logging.getLogger(__name__)
@@ -61,6 +62,7 @@ def register() -> None:
             )
             continue
         HookRegistry.register(target, hook, HookType.AROUND)
+    cpu_backend.compile_kernels()  # sends plan on the CPU backend: compile before the first
 
 
 def function_parameters(function: Callable) -> Parameters:

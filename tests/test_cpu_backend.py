@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import tempfile
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -35,3 +39,26 @@ def test_large_plan_matches_reference():
     pages, layout, _ = _case(seed=11, num_pages=1 << 17, num_buffers=3)
     result = plan(pages, layout, 4096, "cpu", "cpu")
     assert list(result.batches()) == expected_batches(pages, layout, 4096)
+
+
+def test_one_compiled_signature_serves_every_input_kind():
+    # A compile per dtype or layout would stall a request for seconds: every call
+    # site must hand the kernels contiguous int64 arrays. Fresh process, no cache.
+    script = """
+import numpy as np, torch
+import gpu_planner as gp
+from gpu_planner import cpu_backend
+cpu_backend.compile_kernels()
+layout = gp.BufferLayout([1 << 40, 1 << 41], [1 << 42, 1 << 43], [64, 128], dst_is_device=[0, 1],
+                         src_lens=[1 << 20, 1 << 20], dst_lens=[1 << 20, 1 << 20])
+pages32 = torch.arange(20, dtype=torch.int32)[::2]
+pages64 = np.arange(100, 110, dtype=np.uint16)
+gp.plan_transfer(pages32, pages64, layout, dst_device_pages=pages32.numpy(), max_batch_pages=3)
+gp.group_runs(pages64, pages32)
+print(len(cpu_backend._scan_pages.signatures), len(cpu_backend._expand.signatures))
+"""
+    environment = {**os.environ, "NUMBA_CACHE_DIR": tempfile.mkdtemp()}
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, env=environment, check=True
+    )
+    assert result.stdout.split() == ["1", "1"]
