@@ -75,27 +75,26 @@ def _scan_runs(src_pages, dst_pages, batch_pages, table, batch_run_offsets):
     """Fill `table` (room for one run per page) and `batch_run_offsets`; return the run count.
 
     A run starts at page 0, at every batch cut, and wherever the source or the
-    destination page does not follow the run's last page.
+    destination page does not follow the previous one. Divides only at cuts.
     """
     num_runs = 0
+    next_cut = 0
+    next_src = next_dst = 0  # the pages that would extend the current run
     for page in range(src_pages.shape[0]):
         src = src_pages[page]
         dst = dst_pages[page]
-        at_cut = page % batch_pages == 0
-        if at_cut:
-            batch_run_offsets[page // batch_pages] = num_runs
-        last = num_runs - 1
-        if (
-            at_cut
-            or src != table[0, last] + table[2, last]
-            or dst != table[1, last] + table[2, last]
-        ):
+        if page != next_cut and src == next_src and dst == next_dst:
+            table[2, num_runs - 1] += 1
+        else:
+            if page == next_cut:
+                batch_run_offsets[page // batch_pages] = num_runs
+                next_cut += batch_pages
             table[0, num_runs] = src
             table[1, num_runs] = dst
             table[2, num_runs] = 1
             num_runs += 1
-        else:
-            table[2, last] += 1
+        next_src = src + 1
+        next_dst = dst + 1
     batch_run_offsets[-1] = num_runs
     return num_runs
 
