@@ -163,8 +163,15 @@ class GpuPlannerBackend(Planner):
         self.device = torch.device(device)
         self.name = f"gpu_planner-{backend}"
 
-    def _pages(self, pages: np.ndarray | None) -> torch.Tensor | None:
-        return None if pages is None else torch.from_numpy(pages).to(self.device)
+    def _pages(self, pages: np.ndarray | None) -> np.ndarray | torch.Tensor | None:
+        """The case's pages as this planner takes them.
+
+        On the host: the very NumPy arrays sglang gets (its send path holds page
+        lists as NumPy); on a device: a copy there, made before timing.
+        """
+        if pages is None or self.device.type == "cpu":
+            return pages
+        return torch.from_numpy(pages).to(self.device)
 
     def prepare(self, bench_input: BenchInput) -> None:
         self._src = self._pages(bench_input.src_pages)

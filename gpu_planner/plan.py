@@ -51,7 +51,8 @@ class TransferPlan:
         self.layout = layout
         self.num_batches = num_batches
         self._device_state: tuple | None = None
-        self._columns: torch.Tensor | None = None
+        self._host_columns: np.ndarray | None = None  # int64 [3, N], set once on the host
+        self._columns: torch.Tensor | None = None  # a tensor view of it, made on first request
         self._batch_offsets: np.ndarray | None = None
         self._batch_run_offsets: list[np.ndarray] | None = None
 
@@ -66,7 +67,7 @@ class TransferPlan:
 
     def materialize(self) -> TransferPlan:
         """Bring the descriptors to the host (no-op when already there); raise recorded errors."""
-        if self._columns is not None:
+        if self._host_columns is not None:
             return self
         device_descriptors, device_runs, status = self._device_state
         with nvtx_range("materialize/read_counts"):
@@ -75,7 +76,8 @@ class TransferPlan:
         total = self._set_run_counts(batch_run_offsets)
         # The kernel packs the columns at stride `total`: one exact contiguous copy.
         with nvtx_range("materialize/copy_descriptors"):
-            self._columns = copy_to_host(device_descriptors[: 3 * total]).view(3, total)
+            host = copy_to_host(device_descriptors[: 3 * total]).view(3, total)
+        self._host_columns = host.numpy()
         self._device_state = None
         return self
 
@@ -96,7 +98,13 @@ class TransferPlan:
     @property
     def columns(self) -> torch.Tensor:
         """int64 [3, num_descriptors] in host memory: src_addrs, dst_addrs, lengths."""
-        return self.materialize()._columns
+        if self._columns is None:
+            self._columns = torch.from_numpy(self.columns_array())
+        return self._columns
+
+    def columns_array(self) -> np.ndarray:
+        """`columns` as the NumPy array it views (what the list hand-off reads)."""
+        return self.materialize()._host_columns
 
     @property
     def descriptors(self) -> torch.Tensor:
@@ -126,11 +134,11 @@ class TransferPlan:
 
     @property
     def total_bytes(self) -> int:
-        return int(self.lengths.sum())
+        return int(self.columns_array()[2].sum())
 
     def batches(self) -> Iterator[Descriptors]:
         """One (srcs, dsts, lens) list triple per non-empty batch: one Mooncake call each."""
-        columns = self.columns.numpy()
+        columns = self.columns_array()
         for _, start, end, firsts, counts in self._batch_pieces():
             if end > start:
                 lens: list[int] = []
@@ -140,7 +148,7 @@ class TransferPlan:
 
     def buffer_batches(self) -> Iterator[BufferBatch]:
         """One `BufferBatch` per batch and buffer with descriptors, in plan order."""
-        columns = self.columns.numpy()
+        columns = self.columns_array()
         for batch, _, _, firsts, counts in self._batch_pieces():
             lengths = self._lengths(columns, firsts, counts)
             for buffer, (start, count) in enumerate(zip(firsts, counts, strict=True)):
@@ -220,7 +228,7 @@ def _plan_on_cpu(plan: TransferPlan, pages: dict[str, PageList], max_batch_pages
     planned = cpu_backend.plan_descriptors(plan.layout, arrays, max_batch_pages)
     plan._batch_run_offsets = planned.batch_run_offsets
     plan._batch_offsets = planned.batch_offsets
-    plan._columns = torch.from_numpy(planned.columns)
+    plan._host_columns = planned.columns
 
 
 def _plan_with_kernels(plan: TransferPlan, pages: dict[str, PageList], batch_pages: int) -> None:
