@@ -5,7 +5,7 @@ runs and batch cuts, checks the registered bounds and counts the descriptors;
 `_expand` then writes every (src_addr, dst_addr, length) once. A NumPy version
 needed dozens of calls and several passes over the descriptor columns; right
 after other Python work has left the caches cold, as in a scheduler loop, it
-was 2-3x slower (see bench/README.md). Numba is already a dependency of
+was 3x slower (README, "On the CPU"). Numba is already a dependency of
 sglang. `nogil` lets sender threads plan concurrently; `cache` keeps the
 machine code across processes. Arrays are allocated by NumPy, which backs
 large ones with huge pages (4x faster to first touch than Numba's allocator).

@@ -77,35 +77,25 @@ class BufferLayout:
         is_device = self.dst_is_device.astype(np.int64)
         self.device_before = np.cumsum(is_device) - is_device
         self.host_before = np.arange(self.num_buffers, dtype=np.int64) - self.device_before
-        self.space_rank = np.where(self.dst_is_device, self.device_before, self.host_before)
         self.num_device_buffers = int(is_device.sum())
         self.num_host_buffers = self.num_buffers - self.num_device_buffers
-        # Per destination space: its buffers in layout order, their item lengths and
-        # their (src, dst) pointers as [2, buffers]; a buffer's rank indexes these.
+        # Per destination space: its buffers in layout order.
         self.space_buffers = [np.flatnonzero(self.space == space) for space in (0, 1)]
-        self.space_item_lens = [self.item_lens[buffers] for buffers in self.space_buffers]
-        self.space_ptrs = [
-            np.stack((self.src_ptrs[buffers], self.dst_ptrs[buffers]))
-            for buffers in self.space_buffers
-        ]
+        # The per-buffer facts as Python ints, for the list hand-off's loops.
+        self.buffer_spaces: list[int] = self.space.tolist()
+        self.buffers_before: list[tuple[int, int]] = list(
+            zip(self.host_before.tolist(), self.device_before.tolist(), strict=True)
+        )
         # Buffers with one destination space and item length have equal lengths in
         # every batch: `length_groups[b]` numbers b's group, `length_group_leaders`
         # holds each group's first buffer.
-        keys = list(zip(self.space.tolist(), self.item_lens.tolist(), strict=True))
+        keys = list(zip(self.buffer_spaces, self.item_lens.tolist(), strict=True))
         leaders: dict[tuple[int, int], int] = {}
         for buffer, key in enumerate(keys):
             leaders.setdefault(key, buffer)
         group_of = {key: group for group, key in enumerate(leaders)}
         self.length_group_leaders = list(leaders.values())
         self.length_groups = [group_of[key] for key in keys]
-        # Maximal stretches of consecutive buffers in one space: (space, slice of ranks).
-        self.segments: list[tuple[int, slice]] = []
-        boundaries = np.flatnonzero(np.diff(self.space)) + 1
-        for buffers in np.split(np.arange(self.num_buffers), boundaries):
-            if buffers.size:
-                first_rank = int(self.space_rank[buffers[0]])
-                ranks = slice(first_rank, first_rank + buffers.size)
-                self.segments.append((int(self.space[buffers[0]]), ranks))
         unbounded = np.full(self.num_buffers, np.iinfo(np.int64).max, dtype=np.int64)
         self._bound_limits = {
             "src": unbounded if self.src_lens is None else self.src_lens,

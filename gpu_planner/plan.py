@@ -139,50 +139,55 @@ class TransferPlan:
     def batches(self) -> Iterator[Descriptors]:
         """One (srcs, dsts, lens) list triple per non-empty batch: one Mooncake call each."""
         columns = self.columns_array()
-        for _, start, end, firsts, counts in self._batch_pieces():
+        length_groups = self.layout.length_groups
+        for _, start, end, runs in self._batch_runs():
             if end > start:
+                group_lengths = self._group_lengths(columns, start, runs)
                 lens: list[int] = []
-                for buffer_lens in self._lengths(columns, firsts, counts):
-                    lens += buffer_lens  # one exact resize and copy per buffer
+                for group in length_groups:
+                    lens += group_lengths[group]  # one exact resize and copy per buffer
                 yield columns[0, start:end].tolist(), columns[1, start:end].tolist(), lens
 
     def buffer_batches(self) -> Iterator[BufferBatch]:
         """One `BufferBatch` per batch and buffer with descriptors, in plan order."""
         columns = self.columns_array()
-        for batch, _, _, firsts, counts in self._batch_pieces():
-            lengths = self._lengths(columns, firsts, counts)
-            for buffer, (start, count) in enumerate(zip(firsts, counts, strict=True)):
+        length_groups = self.layout.length_groups
+        for batch, start, _, runs in self._batch_runs():
+            group_lengths = self._group_lengths(columns, start, runs)
+            for buffer in range(self.layout.num_buffers):
+                first, count = self._piece(buffer, start, runs)
                 if count:
-                    srcs, dsts = columns[:2, start : start + count].tolist()
-                    yield BufferBatch(batch, buffer, srcs, dsts, list(lengths[buffer]))
+                    srcs, dsts = columns[:2, first : first + count].tolist()
+                    lens = list(group_lengths[length_groups[buffer]])
+                    yield BufferBatch(batch, buffer, srcs, dsts, lens)
 
-    def _batch_pieces(self) -> Iterator[tuple[int, int, int, list[int], list[int]]]:
-        """Per batch: (batch, first descriptor, end, each buffer's first descriptor and count)."""
-        layout = self.layout
+    def _batch_runs(self) -> Iterator[tuple[int, int, int, tuple[int, ...]]]:
+        """Per batch: (batch, first descriptor, end, runs of each space), as Python ints."""
         offsets = self._batch_offsets.tolist()
-        runs_per_batch = [np.diff(run_offsets) for run_offsets in self._batch_run_offsets]
+        run_offsets = [space_offsets.tolist() for space_offsets in self._batch_run_offsets]
         for batch in range(len(offsets) - 1):
-            host_runs = int(runs_per_batch[0][batch])
-            device_runs = int(runs_per_batch[-1][batch])
-            firsts = offsets[batch] + layout.host_before * host_runs
-            firsts += layout.device_before * device_runs
-            counts = np.where(layout.dst_is_device, device_runs, host_runs)
-            yield batch, offsets[batch], offsets[batch + 1], firsts.tolist(), counts.tolist()
+            runs = tuple(space[batch + 1] - space[batch] for space in run_offsets)
+            yield batch, offsets[batch], offsets[batch + 1], runs
 
-    def _lengths(
-        self, columns: np.ndarray, firsts: list[int], counts: list[int]
+    def _piece(self, buffer: int, batch_start: int, runs: tuple[int, ...]) -> tuple[int, int]:
+        """(first descriptor, count) of `buffer` in the batch starting at `batch_start`."""
+        host_before, device_before = self.layout.buffers_before[buffer]
+        first = batch_start + host_before * runs[0] + device_before * runs[-1]
+        return first, runs[self.layout.buffer_spaces[buffer]]
+
+    def _group_lengths(
+        self, columns: np.ndarray, batch_start: int, runs: tuple[int, ...]
     ) -> list[list[int]]:
-        """Each buffer's lengths in one batch, as Python ints.
+        """Each length group's lengths in one batch, as Python ints.
 
         Buffers of one length group (same space and item length) have equal
         lengths, so they share one list of int objects: building `lens` costs
         a pointer copy per descriptor instead of an int allocation.
         """
-        group_lengths = [
-            columns[2, firsts[leader] : firsts[leader] + counts[leader]].tolist()
-            for leader in self.layout.length_group_leaders
+        pieces = [
+            self._piece(leader, batch_start, runs) for leader in self.layout.length_group_leaders
         ]
-        return [group_lengths[group] for group in self.layout.length_groups]
+        return [columns[2, first : first + count].tolist() for first, count in pieces]
 
 
 def plan_transfer(
