@@ -13,6 +13,7 @@ large ones with huge pages (4x faster to first touch than Numba's allocator).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -22,7 +23,19 @@ import numpy as np
 from gpu_planner.inputs import PAGE_ARGUMENTS, negative_page_error
 from gpu_planner.layout import DEVICE_SPACE, HOST_SPACE, BufferLayout
 
-_compiled = numba.njit(cache=True, nogil=True)
+
+def _compiled(function: Callable) -> Callable:
+    """Numba-compile `function` without the GIL, cached on disk where Numba can write.
+
+    With no writable cache location (a read-only install and no writable home),
+    Numba refuses `cache=True` outright; compile on every start instead of failing.
+    """
+    try:
+        return numba.njit(cache=True, nogil=True)(function)
+    except RuntimeError:  # "cannot cache function ...: no locator available"
+        return numba.njit(nogil=True)(function)
+
+
 _NO_FAILURE = -1
 _OUT_OF_BOUNDS = len(PAGE_ARGUMENTS)  # a failure code after the page arguments' indices
 _DESCRIPTORS = 2  # the row of `counts` that holds descriptor offsets
