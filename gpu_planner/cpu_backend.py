@@ -130,10 +130,7 @@ def _within_bounds(table, num_runs, in_space, item_lens, src_limits, dst_limits)
 
 @_compiled
 def _scan_pages(
-    src_pages,
-    dst_pages,
-    dst_device_pages,
-    num_spaces,
+    pages,
     batch_pages,
     dst_is_device,
     item_lens,
@@ -145,22 +142,21 @@ def _scan_pages(
 ):
     """Runs of every space into `tables` [2, 3, pages], offsets into `counts`; (failure, position).
 
-    `counts[space]` gets each batch's first run of that space, then its total
+    `pages` [1 + spaces, n] holds the source pages, then each space's destination
+    pages. `counts[space]` gets each batch's first run of that space, then its total
     (a single space fills both rows); `counts[_DESCRIPTORS]` gets each batch's
     first descriptor, then N. `failure` is the argument index of the first
     negative page (at `position`), _OUT_OF_BOUNDS when a run passes a
     registered bound, else _NO_FAILURE.
     """
-    page_lists = (src_pages, dst_pages, dst_device_pages)
-    for argument in range(1 + num_spaces):
-        position = _first_negative(page_lists[argument])
+    for argument in range(pages.shape[0]):
+        position = _first_negative(pages[argument])
         if position >= 0:
             return argument, position
+    num_spaces = pages.shape[0] - 1
     failure = _NO_FAILURE
     for space in range(num_spaces):
-        num_runs = _scan_runs(
-            src_pages, page_lists[1 + space], batch_pages, tables[space], counts[space]
-        )
+        num_runs = _scan_runs(pages[0], pages[1 + space], batch_pages, tables[space], counts[space])
         in_space = dst_is_device == (space == DEVICE_SPACE)
         if check_bounds and not _within_bounds(
             tables[space], num_runs, in_space, item_lens, src_limits, dst_limits
@@ -217,16 +213,13 @@ def _scan(
 
     Returns (tables, counts, whether a run passes a registered bound).
     """
-    arrays = [np.ascontiguousarray(values, dtype=np.int64) for values in pages.values()]
-    num_pages = len(arrays[0])
+    stacked = np.stack(list(pages.values()), dtype=np.int64)  # one contiguous int64 copy
+    num_pages = stacked.shape[1]
     batch_pages = batch_page_count(num_pages, max_batch_pages)
     tables = np.empty((2, 3, num_pages), dtype=np.int64)
     counts = np.empty((3, -(-num_pages // batch_pages) + 1), dtype=np.int64)
     failure, position = _scan_pages(
-        arrays[0],
-        arrays[1],
-        arrays[-1],
-        len(arrays) - 1,
+        stacked,
         batch_pages,
         layout.dst_is_device,
         layout.item_lens,
@@ -238,7 +231,7 @@ def _scan(
     )
     if failure not in (_NO_FAILURE, _OUT_OF_BOUNDS):
         name = list(pages)[failure]
-        raise negative_page_error(name, position, int(arrays[failure][position]))
+        raise negative_page_error(name, position, int(stacked[failure, position]))
     return tables, counts, failure == _OUT_OF_BOUNDS
 
 
