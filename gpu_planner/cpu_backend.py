@@ -213,8 +213,10 @@ def _scan(
 
     Returns (tables, counts, whether a run passes a registered bound).
     """
-    stacked = np.stack(list(pages.values()), dtype=np.int64)  # one contiguous int64 copy
-    num_pages = stacked.shape[1]
+    num_pages = len(next(iter(pages.values())))
+    stacked = np.empty((len(pages), num_pages), dtype=np.int64)  # C-level row copies:
+    for row, values in zip(stacked, pages.values(), strict=True):  # np.stack is Python
+        row[:] = values
     batch_pages = batch_page_count(num_pages, max_batch_pages)
     tables = np.empty((2, 3, num_pages), dtype=np.int64)
     counts = np.empty((3, -(-num_pages // batch_pages) + 1), dtype=np.int64)
