@@ -20,7 +20,7 @@ from typing import NamedTuple
 import numba
 import numpy as np
 
-from gpu_planner.inputs import PAGE_ARGUMENTS, negative_page_error
+from gpu_planner.inputs import PAGE_ARGUMENTS, PageList, as_host_array, negative_page_error
 from gpu_planner.layout import DEVICE_SPACE, HOST_SPACE, BufferLayout
 
 
@@ -207,16 +207,17 @@ _NO_BUFFERS = BufferLayout([], [], [])
 
 
 def _scan(
-    pages: dict[str, np.ndarray], max_batch_pages: int, layout: BufferLayout
+    pages: dict[str, PageList], max_batch_pages: int, layout: BufferLayout
 ) -> tuple[np.ndarray, np.ndarray, bool]:
-    """`_scan_pages` with arrays from NumPy; raise for a negative page.
+    """`_scan_pages` on the page lists, stacked in host memory; raise for a negative page.
 
     Returns (tables, counts, whether a run passes a registered bound).
     """
     num_pages = len(next(iter(pages.values())))
-    stacked = np.empty((len(pages), num_pages), dtype=np.int64)  # C-level row copies:
-    for row, values in zip(stacked, pages.values(), strict=True):  # np.stack is Python
-        row[:] = values
+    # One int64 row per page list, copied row by row in C (np.stack is Python code).
+    stacked = np.empty((len(pages), num_pages), dtype=np.int64)
+    for row, values in zip(stacked, pages.values(), strict=True):
+        row[:] = as_host_array(values)
     batch_pages = batch_page_count(num_pages, max_batch_pages)
     tables = np.empty((2, 3, num_pages), dtype=np.int64)
     counts = np.empty((3, -(-num_pages // batch_pages) + 1), dtype=np.int64)
@@ -244,8 +245,8 @@ def _space_runs(tables: np.ndarray, counts: np.ndarray, num_spaces: int) -> list
     ]
 
 
-def group_runs(pages: dict[str, np.ndarray], max_batch_pages: int) -> list[SpaceRuns]:
-    """Runs of every destination space; `pages` maps argument names to 1-D page arrays.
+def group_runs(pages: dict[str, PageList], max_batch_pages: int) -> list[SpaceRuns]:
+    """Runs of every destination space; `pages` maps argument names to validated page lists.
 
     The first array is the source pages, then one destination array per space.
     """
@@ -254,12 +255,12 @@ def group_runs(pages: dict[str, np.ndarray], max_batch_pages: int) -> list[Space
 
 
 def plan_descriptors(
-    layout: BufferLayout, pages: dict[str, np.ndarray], max_batch_pages: int
+    layout: BufferLayout, pages: dict[str, PageList], max_batch_pages: int
 ) -> CpuPlan:
     """Plan one request; raise for a negative page or a run past a registered bound.
 
     `pages` maps argument names (src_pages, dst_pages and, for layouts with
-    device-backed buffers, dst_device_pages) to 1-D integer arrays.
+    device-backed buffers, dst_device_pages) to validated page lists.
     """
     tables, counts, out_of_bounds = _scan(pages, max_batch_pages, layout)
     num_spaces = len(pages) - 1

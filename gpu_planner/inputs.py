@@ -22,7 +22,8 @@ HOST = torch.device("cpu")
 def as_page_list(values: IndexLike, name: str) -> PageList:
     """A 1-D int32/int64 page list: NumPy for host data (a CPU tensor is viewed), else the tensor.
 
-    Host data is checked with NumPy alone: the CPU path never calls into torch.
+    Host data is checked with NumPy alone: a NumPy page list never calls into
+    torch on the CPU path, and a CPU tensor only once, to be viewed.
     """
     if isinstance(values, torch.Tensor) and values.device == HOST:
         try:

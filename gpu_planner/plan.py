@@ -14,15 +14,13 @@ from gpu_planner.inputs import (
     Backend,
     IndexLike,
     PageList,
-    as_host_array,
-    as_tensor,
     check_max_batch_pages,
     collect_pages,
     resolve_backend,
 )
 from gpu_planner.layout import BufferLayout
 from gpu_planner.profiling import nvtx_range
-from gpu_planner.runs import read_device_counts
+from gpu_planner.runs import launch_runs, read_device_counts
 from gpu_planner.staging import copy_to_host
 
 Descriptors = tuple[list[int], list[int], list[int]]
@@ -229,8 +227,7 @@ def plan_transfer(
 
 
 def _plan_on_cpu(plan: TransferPlan, pages: dict[str, PageList], max_batch_pages: int) -> None:
-    arrays = {name: as_host_array(values) for name, values in pages.items()}
-    planned = cpu_backend.plan_descriptors(plan.layout, arrays, max_batch_pages)
+    planned = cpu_backend.plan_descriptors(plan.layout, pages, max_batch_pages)
     plan._batch_run_offsets = planned.batch_run_offsets
     plan._batch_offsets = planned.batch_offsets
     plan._host_columns = planned.columns
@@ -238,18 +235,11 @@ def _plan_on_cpu(plan: TransferPlan, pages: dict[str, PageList], max_batch_pages
 
 def _plan_with_kernels(plan: TransferPlan, pages: dict[str, PageList], batch_pages: int) -> None:
     from gpu_planner.kernels.expand_descriptors import launch_expand_descriptors
-    from gpu_planner.kernels.run_scan import launch_group_runs
-    from gpu_planner.kernels.status import new_status
 
-    pages = {name: as_tensor(values) for name, values in pages.items()}
-    device = pages["src_pages"].device
-    status = new_status(device)
-    runs = launch_group_runs(
-        pages["src_pages"], pages["dst_pages"], pages.get("dst_device_pages"), batch_pages, status
-    )
+    runs, status = launch_runs(pages, batch_pages)
     layout = plan.layout
     descriptors = launch_expand_descriptors(
-        layout.tables(device),
+        layout.tables(status.device),
         layout.num_host_buffers,
         layout.num_device_buffers,
         runs,

@@ -13,7 +13,6 @@ from gpu_planner.inputs import (
     Backend,
     IndexLike,
     PageList,
-    as_host_array,
     as_tensor,
     check_max_batch_pages,
     collect_pages,
@@ -66,8 +65,7 @@ def group_runs(
     batch_pages = cpu_backend.batch_page_count(num_pages, max_batch_pages)
     num_batches = -(-num_pages // batch_pages)
     if resolve_backend(backend, device) == "cpu":
-        arrays = {name: as_host_array(values) for name, values in pages.items()}
-        spaces = cpu_backend.group_runs(arrays, max_batch_pages)
+        spaces = cpu_backend.group_runs(pages, max_batch_pages)
         run_lists = [_run_list_from_host(space, device) for space in spaces]
     else:
         run_lists = _group_runs_with_kernels(pages, batch_pages)
@@ -102,15 +100,25 @@ def _run_list_from_host(space: cpu_backend.SpaceRuns, device: torch.device) -> R
     )
 
 
-def _group_runs_with_kernels(pages: dict[str, PageList], batch_pages: int) -> list[RunList]:
+def launch_runs(pages: dict[str, PageList], batch_pages: int) -> tuple[DeviceRuns, torch.Tensor]:
+    """Launch the run-grouping kernels on validated page lists: (device runs, status word)."""
     from gpu_planner.kernels.run_scan import launch_group_runs
     from gpu_planner.kernels.status import new_status
 
-    pages = {name: as_tensor(values) for name, values in pages.items()}
-    status = new_status(pages["src_pages"].device)
+    tensors = {name: as_tensor(values) for name, values in pages.items()}
+    status = new_status(tensors["src_pages"].device)
     runs = launch_group_runs(
-        pages["src_pages"], pages["dst_pages"], pages.get("dst_device_pages"), batch_pages, status
+        tensors["src_pages"],
+        tensors["dst_pages"],
+        tensors.get("dst_device_pages"),
+        batch_pages,
+        status,
     )
+    return runs, status
+
+
+def _group_runs_with_kernels(pages: dict[str, PageList], batch_pages: int) -> list[RunList]:
+    runs, status = launch_runs(pages, batch_pages)
     _, batch_run_offsets = read_device_counts(status, runs)
     run_counts = [int(offsets[-1]) for offsets in batch_run_offsets]
     return [

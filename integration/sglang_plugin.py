@@ -62,7 +62,8 @@ def register() -> None:
             )
             continue
         HookRegistry.register(target, hook, HookType.AROUND)
-    cpu_backend.compile_kernels()  # sends plan on the CPU backend: compile before the first
+        if target == SEND_TARGET:  # sends plan on the CPU backend: compile before the first
+            cpu_backend.compile_kernels()
 
 
 def function_parameters(function: Callable) -> Parameters:
