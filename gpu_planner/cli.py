@@ -1,75 +1,36 @@
-"""`gpu-planner` command line: `gpu-planner demo` runs the two-process Mooncake transfer."""
+"""`gpu-planner` command line; its subcommands come from the `gpu_planner.commands` entry points.
+
+Each entry point names a function `add_command(subparsers)` that adds one
+subparser and sets its `run(args) -> int` as the parser's `run` default. The
+integrations (the demo, `info`) register themselves that way, so the core
+imports none of them.
+"""
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import sys
+from importlib.metadata import entry_points
 
-_DEMO_HELP = {
-    "buffers": "KV buffers (layers x K/V) per side",
-    "device_fraction": "fraction of decode buffers that are device-backed (device page space)",
-    "tokens": "tokens in the request",
-    "page_size": "tokens per page",
-    "item_len": "bytes per page per buffer (multiple of 8)",
-    "mean_run": "mean free-run length of the fragmented allocators, in pages",
-    "max_batch_pages": "pages per Mooncake call (0 = one call)",
-    "host_pool_factor": "host-space (and prefill) pool size, in request sizes",
-    "device_pool_factor": "device-space pool size, in request sizes",
-    "planner": "gpu = gpu_planner (auto backend); reference = sglang-style Python loop",
-    "mode": "push = prefill plans and writes (sglang's model); pull = decode plans and reads",
-    "buffer_workers": "submit one call per buffer on this many threads (0 = one call per batch)",
-    "seed": "allocator seed",
-    "timeout_s": "bound on each wait: metadata, each Mooncake batch, verification",
-}
+COMMAND_GROUP = "gpu_planner.commands"
 
 
-def _demo_parser(subparsers) -> None:
-    from gpu_planner.integration.demo import MODES
-    from gpu_planner.integration.demo_config import PLANNERS, DemoConfig
-
-    parser = subparsers.add_parser(
-        "demo",
-        help="move one request's KV between two processes through Mooncake and verify it",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
-    choices = {"planner": PLANNERS, "mode": tuple(MODES)}
-    for config_field in dataclasses.fields(DemoConfig):
-        name = config_field.name
-        parser.add_argument(
-            f"--{name.replace('_', '-')}",
-            type=type(config_field.default),
-            default=config_field.default,
-            choices=choices.get(name),
-            help=_DEMO_HELP[name],
-        )
-
-
-def _run_demo(args: argparse.Namespace) -> int:
-    from gpu_planner.integration.demo import format_report, run_demo
-    from gpu_planner.integration.demo_config import DemoConfig
-
-    names = [config_field.name for config_field in dataclasses.fields(DemoConfig)]
-    try:
-        config = DemoConfig(**{name: getattr(args, name) for name in names})
-    except ValueError as error:
-        print(f"gpu-planner demo: {error}", file=sys.stderr)
-        return 2
-    report = run_demo(config)
-    print(format_report(report))
-    return 0 if report.ok else 1
+def build_parser() -> argparse.ArgumentParser:
+    """The `gpu-planner` parser with every installed subcommand."""
+    parser = argparse.ArgumentParser(prog="gpu-planner", description=__doc__.splitlines()[0])
+    subparsers = parser.add_subparsers(dest="command", required=True)
+    for command in sorted(entry_points(group=COMMAND_GROUP), key=lambda point: point.name):
+        command.load()(subparsers)
+    return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `gpu-planner` script."""
     # Mooncake logs every connection and its missing RDMA devices; keep its errors only.
     os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
-    parser = argparse.ArgumentParser(prog="gpu-planner", description=__doc__)
-    subparsers = parser.add_subparsers(dest="command", required=True)
-    _demo_parser(subparsers)
-    args = parser.parse_args(argv)
-    return _run_demo(args)
+    args = build_parser().parse_args(argv)
+    return args.run(args)
 
 
 if __name__ == "__main__":

@@ -1,1 +1,1 @@
-"""gpu_planner integrations: Mooncake send loop, metadata frames, sglang plugin, demo."""
+"""gpu_planner's integrations, one subpackage per product: `mooncake`, `sglang`, `demo`."""

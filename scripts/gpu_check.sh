@@ -30,7 +30,7 @@ TRITON_INTERPRET=1 timeout 200 "$python" -m pytest -q -x tests/test_plan.py test
 echo "pytest interpreter rc=$?" | tee -a "$out/summary.txt"
 if "$python" -c "import sglang.srt.disaggregation.mooncake.conn" >/dev/null 2>&1; then
   env -u TRITON_INTERPRET timeout 120 "$python" -m pytest -q \
-    tests/integration/test_sglang_plugin_loading.py -k cuda -p no:cacheprovider \
+    tests/integration/sglang/test_plugin_loading.py -k cuda -p no:cacheprovider \
     >"$out/pytest_sglang_cuda.txt" 2>&1
   echo "pytest sglang cuda rc=$?" | tee -a "$out/summary.txt"
 fi

@@ -4,7 +4,7 @@ Each side has its own Mooncake engine (TCP, P2P handshake) with its KV
 buffers registered and filled with the demo pattern, and a ZMQ inbox. The
 decode side owns destination buffers in two page spaces and checks them; the
 prefill side owns the source buffers and the request's source pages. Which
-side plans and submits is the transfer mode's business (`demo.MODES`).
+side plans and submits is the transfer mode's business (`run.MODES`).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import torch
 import zmq
 
 import gpu_planner as gp
-from gpu_planner.integration.demo_buffers import (
+from gpu_planner.integration.demo.buffers import (
     DECODE_SIDE,
     PREFILL_SIDE,
     KVBuffer,
@@ -27,19 +27,19 @@ from gpu_planner.integration.demo_buffers import (
     fragmented_pages,
     verify_buffer,
 )
-from gpu_planner.integration.demo_config import DemoConfig, index_device
-from gpu_planner.integration.frames import (
-    KVRegistration,
-    SourcePages,
-    TransferRequest,
-    pages_to_int32_bytes,
-)
+from gpu_planner.integration.demo.config import LOCALHOST, DemoConfig, index_device
 from gpu_planner.integration.mooncake import (
-    LOCALHOST,
     MooncakeTransfer,
     register_buffer,
     session_id,
     start_engine,
+)
+from gpu_planner.integration.mooncake.engine import apply_environment, tcp_queue_env
+from gpu_planner.integration.sglang.frames import (
+    KVRegistration,
+    SourcePages,
+    TransferRequest,
+    pages_to_int32_bytes,
 )
 from gpu_planner.profiling import nvtx_range
 
@@ -64,13 +64,14 @@ class Side:
     ) -> None:
         self.config = config
         self.is_device = is_device
-        self.engine = start_engine()
+        apply_environment(tcp_queue_env())  # sglang-sized batches exceed the default queue
+        self.engine = start_engine(LOCALHOST)
         self.buffers = [
             KVBuffer(side, index, pages, config.item_len) for index, pages in enumerate(pool_pages)
         ]
         for buffer in self.buffers:
             register_buffer(self.engine, buffer.ptr, buffer.nbytes)
-        self.session_id = session_id(self.engine)
+        self.session_id = session_id(self.engine, LOCALHOST)
         self.zmq = zmq.Context()
         self.inbox = self.zmq.socket(zmq.PULL)
         self.port = self.inbox.bind_to_random_port(f"tcp://{LOCALHOST}")
@@ -150,9 +151,10 @@ class DecodeSide(Side):
 
     def transfer_request(self) -> TransferRequest:
         """The request's pages in sglang's frame layout (waits on their host copy alone)."""
-        return TransferRequest.for_pages(
-            self.pages,
-            with_device_pages=self.has_device_buffers,
+        host_pages = self.pages.numpy()  # waits on the pages' host copy alone
+        return TransferRequest(
+            host_pages=host_pages.host,
+            device_pages=host_pages.device if self.has_device_buffers else None,
             room=ROOM,
             endpoint=LOCALHOST,
             port=self.port,

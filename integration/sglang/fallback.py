@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import threading
 
-logger = logging.getLogger("gpu_planner.integration.sglang_plugin")
+logger = logging.getLogger("gpu_planner.integration.sglang.plugin")
 
 _logged_keys: set[str] = set()
 _logged_lock = threading.Lock()

@@ -18,16 +18,14 @@ buffers must stay registered until then.
 
 Mooncake's TCP transport also rejects a call with more descriptors than its
 per-peer queue holds (`MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER`, about 2k by
-default): status -1, after part of the batch may already have been written.
-sglang-sized batches (1024 pages x 61 buffers x runs) exceed that, so
-`start_engine` raises the limit unless the environment already sets it.
+default): status -1, after part of the batch may already have been written
+(see `engine.tcp_queue_env`).
 """
 
 from __future__ import annotations
 
 import abc
 import concurrent.futures
-import os
 from collections.abc import Iterable
 from itertools import groupby
 from operator import attrgetter
@@ -36,9 +34,6 @@ from gpu_planner.plan import BufferBatch, TransferPlan
 from gpu_planner.profiling import nvtx_range
 
 Batch = tuple[list[int], list[int], list[int]]
-
-LOCALHOST = "127.0.0.1"
-TCP_QUEUE_ENV = "MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER"
 
 
 class TransferError(RuntimeError):
@@ -52,35 +47,6 @@ class TransferError(RuntimeError):
 
 class TransferTimeoutError(TransferError):
     """A Mooncake batch did not complete within the sender's `batch_timeout_s`."""
-
-
-def start_engine(host: str = LOCALHOST, max_queued_transfers: int = 65535):
-    """A Mooncake `TransferEngine` on `host` with the TCP transport and P2P handshake metadata.
-
-    `max_queued_transfers` (descriptors one call may hold per peer; Mooncake
-    0.3.13 ignores values above 65535) applies unless
-    `MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER` is set.
-    """
-    from mooncake.engine import TransferEngine
-
-    os.environ.setdefault(TCP_QUEUE_ENV, str(max_queued_transfers))
-    engine = TransferEngine()
-    status = engine.initialize(host, "P2PHANDSHAKE", "tcp", "")
-    if status != 0:
-        raise RuntimeError(f"Mooncake TransferEngine.initialize({host!r}, tcp) returned {status}")
-    return engine
-
-
-def register_buffer(engine, ptr: int, nbytes: int) -> None:
-    """Register `nbytes` at `ptr` with `engine`; raise when Mooncake refuses."""
-    status = engine.register_memory(ptr, nbytes)
-    if status != 0:
-        raise RuntimeError(f"Mooncake register_memory({ptr:#x}, {nbytes}) returned {status}")
-
-
-def session_id(engine, host: str = LOCALHOST) -> str:
-    """The peer name other engines use to reach `engine` (P2P handshake: host:rpc_port)."""
-    return f"{host}:{engine.get_rpc_port()}"
 
 
 class MooncakeTransfer(abc.ABC):

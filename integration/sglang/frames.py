@@ -3,28 +3,32 @@
 Push (sglang's model): two messages go from decode to prefill, as in sglang's
 `MooncakeKVReceiver`:
 - `KVRegistration` (once per peer; room frame `b"None"`): the decode KV buffers.
-  Frames 0-19 follow `KVArgsRegisterInfo.from_zmq`; frames 20-21 add what the
-  planner's bounds check and space choice need (registered byte lengths and
-  which buffers are device-backed), which sglang does not send.
+  Frames 0-19 follow `KVArgsRegisterInfo.from_zmq`; then a version frame
+  (`REGISTRATION_VERSION`) and what the planner's bounds check and space choice
+  need (registered byte lengths, which buffers are device-backed), which
+  sglang does not send and ignores.
 - `TransferRequest` (per request): the destination pages, frames as
   `TransferInfo.from_zmq` reads them: host pages as int32 bytes in frame 4,
   device pages as int32 bytes in frame 9.
 
 Pull (decode plans and reads): prefill sends decode its own `KVRegistration`
-(its source buffers) once, and `SourcePages` per request.
+(its source buffers) once, and `SourcePages` per request: pull's own message,
+in the same encodings.
 """
 
 from __future__ import annotations
 
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
-from gpu_planner.pending import PendingPageIndices
-
 REGISTRATION_ROOM = b"None"
+SGLANG_REGISTRATION_FRAMES = 20  # frames 0-19: what sglang 0.5.23's KVArgsRegisterInfo reads
+REGISTRATION_VERSION = b"gpu_planner.registration/1"
+REGISTRATION_FRAMES = SGLANG_REGISTRATION_FRAMES + 3  # + version, byte lengths, spaces
+TRANSFER_REQUEST_FRAMES = 10  # sglang 0.5.23's build_receiver_metadata_message
 _INT32_MAX = np.iinfo(np.int32).max
 
 
@@ -60,7 +64,11 @@ def _int32_pages(frame: bytes) -> np.ndarray:
 
 @dataclass(frozen=True)
 class KVRegistration:
-    """The decode side's KV buffers, in layout order, and where to reach it."""
+    """A side's KV buffers, in layout order, and where to reach it.
+
+    The sglang fields (`aux_ptrs`, `tp_rank`, `attn_tp_size`, DCP) default to a
+    single-rank worker without auxiliary data; set them to mirror a real one.
+    """
 
     endpoint: str
     port: int
@@ -69,6 +77,11 @@ class KVRegistration:
     item_lens: list[int]
     lens: list[int]
     is_device: list[bool]
+    aux_ptrs: list[int] = field(default_factory=list)
+    tp_rank: int = 0
+    attn_tp_size: int = 1
+    dcp_size: int = 1
+    dcp_rank: int = 0
 
     def __post_init__(self) -> None:
         for name in ("item_lens", "lens", "is_device"):
@@ -78,17 +91,17 @@ class KVRegistration:
                 )
 
     def to_frames(self) -> list[bytes]:
-        """Frames 0-19 as `KVArgsRegisterInfo.from_zmq` reads them, then lens and spaces."""
-        return [
+        """`KVArgsRegisterInfo.from_zmq`'s frames, then the version, byte lengths and spaces."""
+        sglang_frames = [
             REGISTRATION_ROOM,
             self.endpoint.encode("ascii"),
             _ascii(self.port),
             self.session_id.encode("ascii"),
             _pack_u64(self.ptrs),
-            b"",  # aux buffer pointers: the demo has no aux data
+            _pack_u64(self.aux_ptrs),
             b"",  # state buffer pointers (sglang's packing of an empty list)
-            _ascii(0),  # tp rank
-            _ascii(1),  # attention tp size
+            _ascii(self.tp_rank),
+            _ascii(self.attn_tp_size),
             _ascii(self.item_lens[0] if self.item_lens else 0),
             b"",  # state item lengths
             b"",  # state dims per tensor
@@ -96,28 +109,47 @@ class KVRegistration:
             b"",  # state layer ids
             b"",  # staging base pointer
             b"",  # staging total size
-            _ascii(1),  # dcp size
-            _ascii(0),  # dcp rank
+            _ascii(self.dcp_size),
+            _ascii(self.dcp_rank),
             b"",  # staging slot layer ids
             _pack_u64(self.item_lens),
+        ]
+        planner_frames = [
+            REGISTRATION_VERSION,
             _pack_u64(self.lens),
             bytes(bool(flag) for flag in self.is_device),
         ]
+        return sglang_frames + planner_frames
 
     @classmethod
     def from_frames(cls, frames: list[bytes]) -> KVRegistration:
-        if len(frames) != 22 or frames[0] != REGISTRATION_ROOM:
+        version = (
+            frames[SGLANG_REGISTRATION_FRAMES] if len(frames) > SGLANG_REGISTRATION_FRAMES else None
+        )
+        if (
+            len(frames) != REGISTRATION_FRAMES
+            or frames[0] != REGISTRATION_ROOM
+            or version != REGISTRATION_VERSION
+        ):
             raise ValueError(
-                f"not a gpu_planner KV registration: {len(frames)} frames, room {frames[0]!r}"
+                f"not a {REGISTRATION_VERSION.decode()} KV registration: {len(frames)} frames "
+                f"(expected {REGISTRATION_FRAMES}), room {frames[0] if frames else None!r}, "
+                f"version {version!r}"
             )
+        extra = SGLANG_REGISTRATION_FRAMES + 1
         return cls(
             endpoint=frames[1].decode("ascii"),
             port=int(frames[2]),
             session_id=frames[3].decode("ascii"),
             ptrs=_unpack_u64(frames[4]),
+            aux_ptrs=_unpack_u64(frames[5]),
+            tp_rank=int(frames[7]),
+            attn_tp_size=int(frames[8]),
+            dcp_size=int(frames[16]),
+            dcp_rank=int(frames[17]),
             item_lens=_unpack_u64(frames[19]),
-            lens=_unpack_u64(frames[20]),
-            is_device=[bool(flag) for flag in frames[21]],
+            lens=_unpack_u64(frames[extra]),
+            is_device=[bool(flag) for flag in frames[extra + 1]],
         )
 
 
@@ -134,20 +166,6 @@ class TransferRequest:
     aux_index: int = 0
     required_dst_info_num: int = 1
     decode_prefix_len: int = 0
-
-    @classmethod
-    def for_pages(
-        cls, pages: PendingPageIndices, *, with_device_pages: bool, **fields
-    ) -> TransferRequest:
-        """A request for pages still on their way to host memory: waits on their copy alone.
-
-        `with_device_pages` is whether the decode side has device-backed
-        buffers (sglang sends frame 9 only then); `fields` are the other fields.
-        """
-        host = pages.numpy()
-        return cls(
-            host_pages=host.host, device_pages=host.device if with_device_pages else None, **fields
-        )
 
     def to_frames(self) -> list[bytes]:
         """The ten frames of sglang's `build_receiver_metadata_message` (non-dummy request)."""
@@ -172,7 +190,7 @@ class TransferRequest:
         An empty request (no host pages) has empty pages in both spaces, so a
         decode side with device-backed buffers can still be planned (to nothing).
         """
-        if len(frames) != 10 or frames[0] == REGISTRATION_ROOM:
+        if len(frames) != TRANSFER_REQUEST_FRAMES or frames[0] == REGISTRATION_ROOM:
             raise ValueError(f"not a transfer request: {len(frames)} frames, room {frames[0]!r}")
         host_pages = _int32_pages(frames[4])
         device_pages = None

@@ -12,10 +12,12 @@ import torch
 from sglang_plugin_support import ORIGINALS, RecordingEngine, common, conn, make_manager, minimax
 from sglang_send_scenarios import SESSION
 
-from gpu_planner.integration import sglang_fallback, sglang_plugin, sglang_send
-from gpu_planner.integration.sglang_plugin import PAGES_TARGET, SEND_TARGET
+from gpu_planner.integration.sglang import fallback as sglang_fallback
+from gpu_planner.integration.sglang import plugin as sglang_plugin
+from gpu_planner.integration.sglang import send as sglang_send
+from gpu_planner.integration.sglang.plugin import PAGES_TARGET, SEND_TARGET
 
-PLUGIN_LOGGER = "gpu_planner.integration.sglang_plugin"
+PLUGIN_LOGGER = "gpu_planner.integration.sglang.plugin"
 
 
 @pytest.fixture

@@ -11,7 +11,12 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import gpu_planner as gp
-from gpu_planner.integration.frames import KVRegistration, SourcePages, TransferRequest
+from gpu_planner.integration.sglang.frames import (
+    SGLANG_REGISTRATION_FRAMES,
+    KVRegistration,
+    SourcePages,
+    TransferRequest,
+)
 
 page_arrays = st.lists(st.integers(0, 2**31 - 1), max_size=64).map(
     lambda pages: np.array(pages, dtype=np.int64)
@@ -83,12 +88,22 @@ def _registration() -> KVRegistration:
         item_lens=[512, 512, 256, 512, 1024],
         lens=[512 * 100, 512 * 100, 256 * 80, 512 * 100, 1024 * 7],
         is_device=[False, True, True, False, True],
+        aux_ptrs=[2**40, 2**40 + 64],
+        tp_rank=3,
+        attn_tp_size=4,
     )
 
 
 def test_registration_round_trip():
     registration = _registration()
     assert KVRegistration.from_frames(registration.to_frames()) == registration
+
+
+def test_registration_of_another_version_is_refused():
+    frames = _registration().to_frames()
+    frames[SGLANG_REGISTRATION_FRAMES] = b"gpu_planner.registration/0"
+    with pytest.raises(ValueError, match="version b'gpu_planner.registration/0'"):
+        KVRegistration.from_frames(frames)
 
 
 def test_sglang_kv_args_register_info_accepts_the_registration():
@@ -101,7 +116,9 @@ def test_sglang_kv_args_register_info_accepts_the_registration():
     assert info.dst_kv_ptrs == registration.ptrs
     assert info.dst_kv_item_lens == registration.item_lens
     assert info.dst_kv_item_len == registration.item_lens[0]
-    assert (info.dst_aux_ptrs, info.dst_state_data_ptrs, info.staging) == ([], [], None)
+    assert info.dst_aux_ptrs == registration.aux_ptrs
+    assert (info.dst_tp_rank, info.dst_attn_tp_size) == (3, 4)
+    assert (info.dst_state_data_ptrs, info.staging) == ([], None)
 
 
 @pytest.mark.parametrize(
@@ -126,7 +143,7 @@ def test_registration_needs_one_entry_per_buffer():
 def test_frames_of_the_other_message_are_refused():
     with pytest.raises(ValueError, match="not a transfer request"):
         TransferRequest.from_frames(_registration().to_frames())
-    with pytest.raises(ValueError, match="not a gpu_planner KV registration"):
+    with pytest.raises(ValueError, match="not a gpu_planner.registration/1 KV registration"):
         KVRegistration.from_frames(_request(np.arange(3), None).to_frames())
 
 
@@ -147,7 +164,9 @@ def test_transfer_request_for_pending_pages(with_device):
         torch.from_numpy(device_slots), torch.from_numpy(host_slots), 2, 90, 8
     )
     fields = {"room": 3, "endpoint": "127.0.0.1", "port": 17003, "session_id": "127.0.0.1:1"}
-    request = TransferRequest.for_pages(pending, with_device_pages=with_device, **fields)
+    host = pending.numpy()
+    device_pages = host.device if with_device else None
+    request = TransferRequest(host_pages=host.host, device_pages=device_pages, **fields)
     parsed = TransferRequest.from_frames(request.to_frames())
     np.testing.assert_array_equal(parsed.host_pages, host_slots[2:90:8] // 8)
     if with_device:

@@ -25,11 +25,11 @@ import pytest
 import torch
 
 import gpu_planner as gp
-from gpu_planner.integration.demo import run_pull_prefill, run_push_decode
-from gpu_planner.integration.demo_config import DemoConfig
-from gpu_planner.integration.demo_sides import DecodeSide, PrefillSide, pair_layout
-from gpu_planner.integration.frames import KVRegistration, SourcePages, TransferRequest
+from gpu_planner.integration.demo.config import DemoConfig
+from gpu_planner.integration.demo.run import run_pull_prefill, run_push_decode
+from gpu_planner.integration.demo.sides import DecodeSide, PrefillSide, pair_layout
 from gpu_planner.integration.mooncake import MooncakeTransfer, TransferError
+from gpu_planner.integration.sglang.frames import KVRegistration, SourcePages, TransferRequest
 
 SMALL = DemoConfig(
     buffers=6,

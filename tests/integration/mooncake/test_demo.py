@@ -11,7 +11,7 @@ import sys
 import pytest
 from mooncake_demo_support import small_config
 
-from gpu_planner.integration.demo import DemoReport, Verification, format_report, run_demo
+from gpu_planner.integration.demo.run import DemoReport, Verification, format_report, run_demo
 
 SCENARIOS = {
     "host-only-batch-7": small_config(device_fraction=0.0, max_batch_pages=7),

@@ -19,9 +19,9 @@ from mooncake_demo_support import (
 )
 
 import gpu_planner as gp
-from gpu_planner.integration.demo_sides import pair_layout
-from gpu_planner.integration.frames import KVRegistration, TransferRequest
+from gpu_planner.integration.demo.sides import pair_layout
 from gpu_planner.integration.mooncake import MooncakeReader, TransferTimeoutError
+from gpu_planner.integration.sglang.frames import KVRegistration, TransferRequest
 
 
 def _push_plan(peer, max_batch_pages: int) -> gp.TransferPlan:

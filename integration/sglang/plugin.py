@@ -17,7 +17,7 @@ import pkgutil
 from collections.abc import Callable
 
 from gpu_planner import cpu_backend
-from gpu_planner.integration.sglang_fallback import log_fallback_once
+from gpu_planner.integration.sglang.fallback import log_fallback_once
 
 logger = logging.getLogger(__name__)
 
@@ -42,7 +42,8 @@ def register() -> None:
         # sglang processes (not `import gpu_planner`) should pay for.
         from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-        from gpu_planner.integration import sglang_pages, sglang_send
+        from gpu_planner.integration.sglang import pages as sglang_pages
+        from gpu_planner.integration.sglang import send as sglang_send
     except ImportError as error:
         log_fallback_once(f"sglang's Mooncake connector does not import ({error})")
         return

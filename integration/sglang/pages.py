@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 import gpu_planner as gp
-from gpu_planner.integration.sglang_fallback import log_fallback_once
+from gpu_planner.integration.sglang.fallback import log_fallback_once
 from gpu_planner.staging import copy_to_host
 
 # The original's parameters, as the plugin's register() compares them.

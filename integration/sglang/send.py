@@ -18,8 +18,8 @@ import numpy as np
 from sglang.srt.disaggregation.mooncake import conn
 
 import gpu_planner as gp
-from gpu_planner.integration.sglang_entries import Entry, SendCall, transfer_entries
-from gpu_planner.integration.sglang_fallback import log_fallback_once
+from gpu_planner.integration.sglang.entries import Entry, SendCall, transfer_entries
+from gpu_planner.integration.sglang.fallback import log_fallback_once
 
 # The original's parameters, as the plugin's register() compares them.
 HOOKED_PARAMETERS = (("self", inspect.Parameter.empty),) + tuple(

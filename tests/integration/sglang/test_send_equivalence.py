@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from sglang_plugin_support import ORIGINALS, RecordingEngine, conn, hooked_send, make_manager
 from sglang_send_scenarios import LAYOUT_KINDS, SESSION, SendScenario, send_scenarios
 
-from gpu_planner.integration import sglang_send
+from gpu_planner.integration.sglang import send as sglang_send
 
 EXECUTOR = concurrent.futures.ThreadPoolExecutor(max_workers=4)
 POSITIONAL = (

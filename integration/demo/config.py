@@ -7,8 +7,9 @@ from dataclasses import dataclass
 
 import torch
 
-from gpu_planner.integration.demo_buffers import WORD_BYTES
+from gpu_planner.integration.demo.buffers import WORD_BYTES
 
+LOCALHOST = "127.0.0.1"  # both demo processes and their engines run on loopback
 PLANNERS = ("gpu", "reference")
 MODE_NAMES = ("push", "pull")
 

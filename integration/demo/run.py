@@ -25,9 +25,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 import gpu_planner as gp
-from gpu_planner.integration.demo_buffers import Verification
-from gpu_planner.integration.demo_config import DemoConfig, index_device
-from gpu_planner.integration.demo_sides import (
+from gpu_planner.integration.demo.buffers import Verification
+from gpu_planner.integration.demo.config import DemoConfig, index_device
+from gpu_planner.integration.demo.sides import (
     DONE,
     FAILED,
     DecodeSide,

@@ -1,0 +1,1 @@
+"""The two-process prefill/decode demo: `gpu-planner demo`, push or pull."""
