@@ -2,7 +2,7 @@
 
 Token slots -> page indices -> contiguous runs (host and device destination
 spaces) -> `(src_addr, dst_addr, length)` descriptors per KV buffer, as Triton
-kernels on the GPU that holds the indices, or a vectorised CPU backend.
+kernels on the GPU that holds the indices, or compiled (Numba) loops on the CPU.
 """
 
 from gpu_planner import reference

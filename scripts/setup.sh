@@ -9,7 +9,7 @@ root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
 
 need_debs=()
-for deb in libibverbs1 librdmacm1 libnuma1; do
+for deb in libibverbs1 ibverbs-providers librdmacm1 libnuma1 libcurl4; do
   dpkg -s "$deb" >/dev/null 2>&1 || need_debs+=("$deb")
 done
 if ((${#need_debs[@]})); then
@@ -29,7 +29,7 @@ pip_install() {
 
 # torch: on a GPU machine keep/install a CUDA build; without a GPU pin the CPU
 # build (2.13.0). The sglang plugin tests need torchvision, which only imports
-# beside the torch 2.14.1 / torchvision 0.29.1 pair (see DESIGN.md).
+# beside the torch 2.14.1 / torchvision 0.29.1 pair (checked: PyPI's torchvision does not import beside the CPU torch 2.13.0).
 if [ "$mode" = test ]; then
   .venv/bin/python -c "import torchvision" 2>/dev/null \
     || pip_install "torch==2.14.1" "torchvision==0.29.1"
@@ -41,14 +41,30 @@ elif ! .venv/bin/python -c "import torch" 2>/dev/null; then
   fi
 fi
 
+# Mooncake: the demo runs the non-CUDA build (list API), the tests the CUDA 13
+# build 0.3.14 (arrays API). All flavours ship the same `mooncake` package, so
+# first remove every flavour when one other than this mode's is installed.
+mooncake_flavours=(mooncake-transfer-engine-non-cuda mooncake-transfer-engine mooncake-transfer-engine-cuda13)
 case "$mode" in
-  demo) pip_install -e ".[mooncake,bench]" ;;
+  demo) mooncake_extra=mooncake-non-cuda mooncake_dist=mooncake-transfer-engine-non-cuda ;;
+  test) mooncake_extra=mooncake-cuda13 mooncake_dist=mooncake-transfer-engine-cuda13 ;;
+esac
+for flavour in "${mooncake_flavours[@]}"; do
+  if [ "$flavour" != "$mooncake_dist" ] && .venv/bin/python -m pip show -q "$flavour" >/dev/null 2>&1; then
+    .venv/bin/python -m pip uninstall -q -y "${mooncake_flavours[@]}" 2>/dev/null || true
+    break
+  fi
+done
+
+case "$mode" in
+  demo) pip_install -e ".[$mooncake_extra,nvtx,bench]" ;;
   test)
     # sglang's pins first (numba==0.65.1 among them), so gpu-planner's looser
     # requirements are already met by the versions sglang users run.
     pip_install -r requirements/sglang-light.txt
-    pip_install -e ".[test,mooncake,bench]"
+    pip_install -e ".[test,$mooncake_extra,bench]" "$mooncake_dist==0.3.14"
     pip_install --no-deps "sglang==0.5.23"
     ;;
   *) echo "usage: scripts/setup.sh demo|test" >&2; exit 2 ;;
 esac
+bash scripts/mooncake_loader.sh .venv/bin/python

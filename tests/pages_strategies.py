@@ -5,24 +5,9 @@ from __future__ import annotations
 import numpy as np
 from hypothesis import strategies as st
 
+from gpu_planner.testing import fragmented_pages
+
 PAGE_SHAPES = ("random", "contiguous", "fragmented", "single", "empty")
-
-
-def fragmented_pages(rng: np.random.Generator, num_pages: int, mean_run: float) -> np.ndarray:
-    """Distinct pages in runs of geometric length, runs placed in shuffled order."""
-    if num_pages == 0:
-        return np.zeros(0, dtype=np.int64)
-    lengths = rng.geometric(1.0 / mean_run, size=num_pages)
-    num_runs = int(np.searchsorted(np.cumsum(lengths), num_pages)) + 1
-    lengths = lengths[:num_runs]
-    lengths[-1] -= lengths.sum() - num_pages
-    gapped_starts = np.cumsum(lengths + 1) - (lengths + 1)  # one free page after each run
-    order = rng.permutation(num_runs)
-    run_of_page = np.repeat(order, lengths[order])
-    page_in_run = np.arange(num_pages) - np.repeat(
-        np.cumsum(lengths[order]) - lengths[order], lengths[order]
-    )
-    return gapped_starts[run_of_page] + page_in_run
 
 
 @st.composite
@@ -46,7 +31,7 @@ def _pages_of_shape(
         return np.arange(num_pages, dtype=np.int64)
     if shape == "fragmented":  # every page its own run: even pages, shuffled
         return 2 * rng.permutation(num_pages).astype(np.int64)
-    return fragmented_pages(rng, num_pages, mean_run)
+    return fragmented_pages(num_pages, mean_run, rng)
 
 
 @st.composite

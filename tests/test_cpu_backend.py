@@ -9,15 +9,15 @@ import tempfile
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
-from pages_strategies import fragmented_pages
 from test_plan import expected_batches, plan
 
 from gpu_planner import cpu_backend
+from gpu_planner.testing import fragmented_pages
 
 
 def _case(seed: int, num_pages: int, num_buffers: int) -> tuple[dict, dict, int]:
     rng = np.random.default_rng(seed)
-    pages = {name: fragmented_pages(rng, num_pages, 4.0) for name in ("src", "dst", "device")}
+    pages = {name: fragmented_pages(num_pages, 4.0, rng) for name in ("src", "dst", "device")}
     layout = {
         "src_ptrs": (rng.integers(1, 2**40, num_buffers) + 2**46).tolist(),
         "dst_ptrs": (rng.integers(1, 2**40, num_buffers) + 2**46).tolist(),

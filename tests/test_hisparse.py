@@ -10,22 +10,24 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from pages_strategies import fragmented_pages
 
 import gpu_planner as gp
+from gpu_planner.testing import fragmented_pages
 
 NUM_PAGES = 256
 ITEM_LEN = 64
-DEVICE_POOL_PAGES = 2 * NUM_PAGES  # fragmented pages use at most twice their count
+DEVICE_POOL_PAGES = 2 * NUM_PAGES  # the pool every request's fragmented pages come from
 HOST_POOL_PAGES = 8 * NUM_PAGES
 
 
 def request_pages(seed: int) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(seed)
     return {
-        "src_pages": fragmented_pages(rng, NUM_PAGES, 8.0),
-        "dst_pages": HOST_POOL_PAGES - NUM_PAGES * 2 + fragmented_pages(rng, NUM_PAGES, 8.0),
-        "dst_device_pages": fragmented_pages(rng, NUM_PAGES, 8.0),
+        "src_pages": fragmented_pages(NUM_PAGES, 8.0, rng, DEVICE_POOL_PAGES),
+        "dst_pages": HOST_POOL_PAGES
+        - DEVICE_POOL_PAGES
+        + fragmented_pages(NUM_PAGES, 8.0, rng, DEVICE_POOL_PAGES),
+        "dst_device_pages": fragmented_pages(NUM_PAGES, 8.0, rng, DEVICE_POOL_PAGES),
     }
 
 

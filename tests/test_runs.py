@@ -6,10 +6,11 @@ import numpy as np
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
-from pages_strategies import fragmented_pages, page_lists
+from pages_strategies import page_lists
 
 import gpu_planner as gp
 from gpu_planner import reference
+from gpu_planner.testing import fragmented_pages
 
 
 def reference_runs(src, dst, max_batch_pages):
@@ -53,8 +54,8 @@ def test_scan_handles_a_million_pages(backend_device):
     max_batch_pages = 1000
     rng = np.random.default_rng(20)
     num_pages = 2**20
-    src = fragmented_pages(rng, num_pages, mean_run=8.0)
-    dst = fragmented_pages(rng, num_pages, mean_run=8.0)
+    src = fragmented_pages(num_pages, 8.0, rng)
+    dst = fragmented_pages(num_pages, 8.0, rng)
     runs = gp.group_runs(
         torch.from_numpy(src).to(device),
         torch.from_numpy(dst).to(device),

@@ -38,23 +38,6 @@ def word_row(item_len: int) -> np.ndarray:
     return _mix64(np.arange(item_len // WORD_BYTES, dtype=np.uint64))
 
 
-def fragmented_pages(
-    pool_pages: int, num_pages: int, mean_run: float, rng: np.random.Generator
-) -> np.ndarray:
-    """`num_pages` distinct pages of a `pool_pages` pool, as a fragmented allocator hands them out.
-
-    The pool is cut into free runs of geometric length (mean `mean_run`), the
-    runs are shuffled, and the request takes pages from the front.
-    """
-    if num_pages > pool_pages:
-        raise ValueError(f"a request of {num_pages} pages does not fit a pool of {pool_pages}")
-    run_lengths = rng.geometric(1.0 / max(mean_run, 1.0), size=pool_pages)
-    cuts = np.cumsum(run_lengths)
-    free_runs = np.split(np.arange(pool_pages, dtype=np.int64), cuts[cuts < pool_pages])
-    order = rng.permutation(len(free_runs))
-    return np.concatenate([free_runs[i] for i in order])[:num_pages]
-
-
 class KVBuffer:
     """One registered KV buffer: `pool_pages` pages of `item_len` bytes, filled with a pattern."""
 

@@ -24,7 +24,6 @@ from gpu_planner.integration.demo.buffers import (
     PREFILL_SIDE,
     KVBuffer,
     Verification,
-    fragmented_pages,
     verify_buffer,
 )
 from gpu_planner.integration.demo.config import LOCALHOST, DemoConfig, index_device
@@ -42,6 +41,7 @@ from gpu_planner.integration.sglang.frames import (
     pages_to_int32_bytes,
 )
 from gpu_planner.profiling import nvtx_range
+from gpu_planner.testing import fragmented_pages
 
 DONE, FAILED, VERIFIED = b"done", b"failed", b"verified"
 ROOM = 1
@@ -135,8 +135,8 @@ class DecodeSide(Side):
         is_device = config.is_device
         super().__init__(config, DECODE_SIDE, [pools[flag] for flag in is_device], is_device)
         rng = np.random.default_rng([config.seed, DECODE_SIDE])
-        host = fragmented_pages(pools[False], config.num_pages, config.mean_run, rng)
-        device = fragmented_pages(pools[True], config.num_pages, config.mean_run, rng)
+        host = fragmented_pages(config.num_pages, config.mean_run, rng, pool_pages=pools[False])
+        device = fragmented_pages(config.num_pages, config.mean_run, rng, pool_pages=pools[True])
         self.pages = gp.page_indices_async(
             _token_slots(device, config.tokens, config.page_size),
             _token_slots(host, config.tokens, config.page_size),
@@ -197,7 +197,9 @@ class PrefillSide(Side):
         buffers = config.buffers
         super().__init__(config, PREFILL_SIDE, [pool_pages] * buffers, [False] * buffers)
         rng = np.random.default_rng([config.seed, PREFILL_SIDE])
-        self.src_pages = fragmented_pages(pool_pages, config.num_pages, config.mean_run, rng)
+        self.src_pages = fragmented_pages(
+            config.num_pages, config.mean_run, rng, pool_pages=pool_pages
+        )
 
     def receive_metadata(self) -> tuple[KVRegistration, TransferRequest]:
         """Push: the decode side's buffer registration, then its transfer request."""

@@ -13,7 +13,7 @@ import pytest
 
 from bench.cases import quick_cases
 from bench.harness import RepeatPolicy
-from bench.inputs import fragmented_pages, make_input
+from bench.inputs import make_input
 from bench.planners import ReferenceLoopPlanner, make_planners
 from bench.progress import ProgressBar
 from bench.run import main, run_case
@@ -71,13 +71,3 @@ def test_run_case_flags_a_planner_that_disagrees():
     result = run_case(case, planners, TINY_POLICY, seed=0, progress=ProgressBar(1))
 
     assert not result["descriptors_identical"]
-
-
-@pytest.mark.parametrize("mean_run", [1.0, 3.0, 16.0])
-def test_fragmented_pages_are_unique_runs_of_the_requested_mean(mean_run):
-    pages = fragmented_pages(20_000, mean_run, np.random.default_rng(3))
-
-    assert len(np.unique(pages)) == len(pages) == 20_000
-    num_runs = int(np.count_nonzero(np.diff(pages) != 1)) + 1
-    assert len(pages) / num_runs == pytest.approx(mean_run, rel=0.15)
-    assert np.array_equal(pages, fragmented_pages(20_000, mean_run, np.random.default_rng(3)))
