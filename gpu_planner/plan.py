@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
+import threading
 from collections.abc import Iterator
-from typing import NamedTuple
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 import torch
 
 from gpu_planner import cpu_backend
+from gpu_planner.cuda_streams import on_device, side_stream
 from gpu_planner.errors import PlanValidationError
 from gpu_planner.inputs import (
     Backend,
@@ -21,63 +25,126 @@ from gpu_planner.inputs import (
 from gpu_planner.layout import BufferLayout
 from gpu_planner.profiling import nvtx_range
 from gpu_planner.runs import launch_runs, read_device_counts
-from gpu_planner.staging import copy_to_host
+from gpu_planner.staging import copy_to_host_async
+
+if TYPE_CHECKING:  # the kernels import triton; load them only when they run
+    from gpu_planner.kernels.run_scan import DeviceRuns
 
 Descriptors = tuple[list[int], list[int], list[int]]
 
 
 class BufferBatch(NamedTuple):
-    """One buffer's descriptors within one batch: one call in per-buffer submission."""
+    """One buffer's descriptors within one batch: one call in per-buffer submission.
+
+    The columns are lists (`buffer_batches`) or int64 views of the plan's host
+    columns (`buffer_batch_columns`).
+    """
 
     batch: int
     buffer: int
-    srcs: list[int]
-    dsts: list[int]
-    lens: list[int]
+    srcs: list[int] | np.ndarray
+    dsts: list[int] | np.ndarray
+    lens: list[int] | np.ndarray
+
+
+@dataclass(frozen=True)
+class HostDescriptors:
+    """A plan's descriptors in host memory: what every reader of a plan uses."""
+
+    columns: np.ndarray  # int64 [3, num_descriptors]: src_addrs, dst_addrs, lengths
+    batch_offsets: np.ndarray  # int64 [num_batches + 1]: first descriptor of each batch, total
+    batch_run_offsets: list[np.ndarray]  # per space (host, then device): int64 [num_batches + 1]
+
+
+@dataclass(frozen=True)
+class LaunchedRuns:
+    """A kernel plan before its first read: run tables on the device, and where they ran.
+
+    `done` is recorded on the planning stream after the last run kernel; None
+    on the CPU (Triton interpreter) and inside CUDA-graph capture, where the
+    reader orders itself after its own current stream instead.
+    """
+
+    runs: DeviceRuns
+    torch_device: torch.device
+    done: torch.cuda.Event | None
 
 
 class TransferPlan:
     """Descriptors for one request: `(src_addr, dst_addr, length)` columns, batch-major.
 
-    On CUDA the plan is built by kernels and stays on the device until it is
-    first read; that read (`materialize`) fetches the status and counts once,
-    raises any error the kernels recorded, and copies exactly the descriptors
-    into pinned host memory.
+    Built by one constructor per backend: `from_host` (CPU backend: complete)
+    and `from_launched` (Triton kernels: run tables still on the device). A
+    launched plan is read when first used (`materialize`), from any thread and
+    under any current stream: one small read of the status and run counts,
+    exact descriptor expansion, one copy into pinned host memory.
     """
 
-    def __init__(self, layout: BufferLayout, num_batches: int) -> None:
+    def __init__(
+        self, layout: BufferLayout, num_batches: int, state: HostDescriptors | LaunchedRuns
+    ) -> None:
         self.layout = layout
         self.num_batches = num_batches
-        self._device_state: tuple | None = None
-        self._host_columns: np.ndarray | None = None  # int64 [3, N], set once on the host
-        self._columns: torch.Tensor | None = None  # a tensor view of it, made on first request
-        self._batch_offsets: np.ndarray | None = None
-        self._batch_run_offsets: list[np.ndarray] | None = None
+        self._state = state
+        self._read_lock = threading.Lock()
+        self._columns: torch.Tensor | None = None  # a tensor view of the host columns
 
-    def _set_run_counts(self, batch_run_offsets: list[np.ndarray]) -> int:
-        """Record each space's runs per batch; return the descriptor count they imply."""
-        self._batch_run_offsets = batch_run_offsets
-        host_runs, device_runs = batch_run_offsets[0], batch_run_offsets[-1]
-        self._batch_offsets = (
-            self.layout.num_host_buffers * host_runs + self.layout.num_device_buffers * device_runs
-        )
-        return int(self._batch_offsets[-1])
+    @classmethod
+    def from_host(
+        cls, layout: BufferLayout, num_batches: int, host: HostDescriptors
+    ) -> TransferPlan:
+        """A complete plan whose descriptors are already in host memory."""
+        return cls(layout, num_batches, host)
+
+    @classmethod
+    def from_launched(
+        cls, layout: BufferLayout, num_batches: int, launched: LaunchedRuns
+    ) -> TransferPlan:
+        """A plan whose run kernels were launched; descriptors are made on first read."""
+        return cls(layout, num_batches, launched)
+
+    @property
+    def _host(self) -> HostDescriptors:
+        return self.materialize()._state
 
     def materialize(self) -> TransferPlan:
         """Bring the descriptors to the host (no-op when already there); raise recorded errors."""
-        if self._host_columns is not None:
-            return self
-        device_descriptors, device_runs, status = self._device_state
-        with nvtx_range("materialize/read_counts"):
-            status, batch_run_offsets = read_device_counts(status, device_runs)
-        self._raise_out_of_bounds(status, device_runs)
-        total = self._set_run_counts(batch_run_offsets)
-        # The kernel packs the columns at stride `total`: one exact contiguous copy.
-        with nvtx_range("materialize/copy_descriptors"):
-            host = copy_to_host(device_descriptors[: 3 * total]).view(3, total)
-        self._host_columns = host.numpy()
-        self._device_state = None
+        if isinstance(self._state, LaunchedRuns):
+            with self._read_lock:
+                if isinstance(self._state, LaunchedRuns):
+                    self._state = self._read(self._state)
         return self
+
+    def _read(self, launched: LaunchedRuns) -> HostDescriptors:
+        """Status and counts, exact expansion, one copy; on a stream that waits on `done` only."""
+        from gpu_planner.kernels.expand_descriptors import launch_expand_descriptors
+
+        runs, layout = launched.runs, self.layout
+        with on_device(launched.torch_device), _reading_stream(launched) as stream:
+            with nvtx_range("materialize/read_counts"):
+                _, batch_run_offsets = read_device_counts(runs, stream)
+            run_counts = [int(offsets[-1]) for offsets in batch_run_offsets]
+            with nvtx_range("materialize/expand"):
+                descriptors = launch_expand_descriptors(
+                    layout.tables(launched.torch_device),
+                    layout.num_host_buffers,
+                    layout.num_device_buffers,
+                    runs,
+                    run_counts,
+                )
+            with nvtx_range("materialize/copy_descriptors"):
+                (columns, status), copied = copy_to_host_async([descriptors, runs.status], stream)
+                if copied is not None:
+                    copied.synchronize()
+        self._raise_out_of_bounds(status.numpy(), runs)
+        host_runs, device_runs = batch_run_offsets[0], batch_run_offsets[-1]
+        batch_offsets = layout.num_host_buffers * host_runs
+        batch_offsets += layout.num_device_buffers * device_runs
+        return HostDescriptors(
+            columns=columns.numpy().reshape(3, -1),
+            batch_offsets=batch_offsets,
+            batch_run_offsets=batch_run_offsets,
+        )
 
     def _raise_out_of_bounds(self, status: np.ndarray, device_runs) -> None:
         """Raise the first out-of-bounds descriptor the expansion kernel recorded, if any."""
@@ -102,7 +169,7 @@ class TransferPlan:
 
     def columns_array(self) -> np.ndarray:
         """`columns` as the NumPy array it views (what the list hand-off reads)."""
-        return self.materialize()._host_columns
+        return self._host.columns
 
     @property
     def descriptors(self) -> torch.Tensor:
@@ -124,11 +191,11 @@ class TransferPlan:
     @property
     def batch_offsets(self) -> torch.Tensor:
         """int64 [num_batches + 1]: first descriptor of each batch, then the total."""
-        return torch.from_numpy(self.materialize()._batch_offsets)
+        return torch.from_numpy(self._host.batch_offsets)
 
     @property
     def num_descriptors(self) -> int:
-        return int(self.materialize()._batch_offsets[-1])
+        return int(self._host.batch_offsets[-1])
 
     @property
     def total_bytes(self) -> int:
@@ -159,10 +226,32 @@ class TransferPlan:
                     lens = list(group_lengths[length_groups[buffer]])
                     yield BufferBatch(batch, buffer, srcs, dsts, lens)
 
+    def batch_columns(self) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+        """`batches()` as contiguous int64 views of the host columns: no Python list is built.
+
+        What Mooncake's `*_arrays` methods take (each row of the C-contiguous
+        [3, N] columns is contiguous, and so is every slice of it).
+        """
+        columns = self.columns_array()
+        for _, start, end, _ in self._batch_runs():
+            if end > start:
+                yield columns[0, start:end], columns[1, start:end], columns[2, start:end]
+
+    def buffer_batch_columns(self) -> Iterator[BufferBatch]:
+        """`buffer_batches()` with contiguous int64 views of the host columns instead of lists."""
+        columns = self.columns_array()
+        for batch, start, _, runs in self._batch_runs():
+            for buffer in range(self.layout.num_buffers):
+                first, count = self._piece(buffer, start, runs)
+                if count:
+                    srcs, dsts, lens = columns[:, first : first + count]
+                    yield BufferBatch(batch, buffer, srcs, dsts, lens)
+
     def _batch_runs(self) -> Iterator[tuple[int, int, int, tuple[int, ...]]]:
         """Per batch: (batch, first descriptor, end, runs of each space), as Python ints."""
-        offsets = self._batch_offsets.tolist()
-        run_offsets = [space_offsets.tolist() for space_offsets in self._batch_run_offsets]
+        host = self._host
+        offsets = host.batch_offsets.tolist()
+        run_offsets = [space_offsets.tolist() for space_offsets in host.batch_run_offsets]
         for batch in range(len(offsets) - 1):
             runs = tuple(space[batch + 1] - space[batch] for space in run_offsets)
             yield batch, offsets[batch], offsets[batch + 1], runs
@@ -214,36 +303,55 @@ def plan_transfer(
         pages.pop("dst_device_pages", None)
     num_pages = len(pages["src_pages"])
     batch_pages = cpu_backend.batch_page_count(num_pages, max_batch_pages)
-    plan = TransferPlan(layout, num_batches=-(-num_pages // batch_pages))
+    num_batches = -(-num_pages // batch_pages)
     if resolve_backend(backend, device) == "cpu":
         with nvtx_range("plan_transfer/cpu"):
-            _plan_on_cpu(plan, pages, max_batch_pages)
-    else:
-        with nvtx_range("plan_transfer/kernels"):
-            _plan_with_kernels(plan, pages, batch_pages)
-        if device.type != "cuda":
-            plan.materialize()
+            planned = cpu_backend.plan_descriptors(layout, pages, max_batch_pages)
+        host = HostDescriptors(planned.columns, planned.batch_offsets, planned.batch_run_offsets)
+        return TransferPlan.from_host(layout, num_batches, host)
+    with nvtx_range("plan_transfer/kernels"):
+        plan = TransferPlan.from_launched(
+            layout, num_batches, _launch(layout, pages, batch_pages, device)
+        )
+    if device.type != "cuda":
+        plan.materialize()
     return plan
 
 
-def _plan_on_cpu(plan: TransferPlan, pages: dict[str, PageList], max_batch_pages: int) -> None:
-    planned = cpu_backend.plan_descriptors(plan.layout, pages, max_batch_pages)
-    plan._batch_run_offsets = planned.batch_run_offsets
-    plan._batch_offsets = planned.batch_offsets
-    plan._host_columns = planned.columns
+def _launch(
+    layout: BufferLayout, pages: dict[str, PageList], batch_pages: int, torch_device: torch.device
+) -> LaunchedRuns:
+    """Launch the run kernels on the pages' device and current stream; record their event."""
+    from gpu_planner.kernels.launch_config import MAX_GRID_Y
+
+    if layout.num_buffers > MAX_GRID_Y:
+        raise PlanValidationError(
+            f"layout: {layout.num_buffers} buffers; the Triton backend plans at most "
+            f"{MAX_GRID_Y} (one grid row each), use backend='cpu'"
+        )
+    with on_device(torch_device):
+        runs = launch_runs(pages, batch_pages)
+        done = None
+        if torch_device.type == "cuda" and not torch.cuda.is_current_stream_capturing():
+            done = torch.cuda.Event()
+            done.record()
+    return LaunchedRuns(runs, torch_device, done)
 
 
-def _plan_with_kernels(plan: TransferPlan, pages: dict[str, PageList], batch_pages: int) -> None:
-    from gpu_planner.kernels.expand_descriptors import launch_expand_descriptors
+@contextlib.contextmanager
+def _reading_stream(launched: LaunchedRuns) -> Iterator[torch.cuda.Stream | None]:
+    """The stream a plan is read on: the device's side stream, ordered after the plan only.
 
-    runs, status = launch_runs(pages, batch_pages)
-    layout = plan.layout
-    descriptors = launch_expand_descriptors(
-        layout.tables(status.device),
-        layout.num_host_buffers,
-        layout.num_device_buffers,
-        runs,
-        status,
-        check_bounds=layout.has_bounds,
-    )
-    plan._device_state = (descriptors, runs, status)
+    With no `done` event (a plan captured in a CUDA graph and replayed), the
+    side stream waits for the reader's current stream, where the replay ran.
+    """
+    if launched.torch_device.type != "cuda":
+        yield None
+        return
+    stream = side_stream(launched.torch_device)
+    if launched.done is None:
+        stream.wait_stream(torch.cuda.current_stream(launched.torch_device))
+    else:
+        stream.wait_event(launched.done)
+    with torch.cuda.stream(stream):
+        yield stream

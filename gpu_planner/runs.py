@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from gpu_planner import cpu_backend
+from gpu_planner.cuda_streams import on_device
 from gpu_planner.inputs import (
     Backend,
     IndexLike,
@@ -77,15 +78,16 @@ def group_runs(
 
 
 def read_device_counts(
-    status: torch.Tensor, runs: DeviceRuns
+    runs: DeviceRuns, stream: torch.cuda.Stream | None = None
 ) -> tuple[np.ndarray, list[np.ndarray]]:
-    """The kernels' status word and each space's batch run offsets, in one host read.
+    """The kernels' status word and each space's batch run offsets, in one small host read.
 
-    Raises the first negative page the kernels recorded.
+    The copy runs on `stream` (default: the current one) and the host waits
+    on it alone. Raises the first negative page the kernels recorded.
     """
     from gpu_planner.kernels.status import NUM_SLOTS
 
-    metadata = copy_to_host(torch.cat([status, runs.batch_run_offsets.flatten()])).numpy()
+    metadata = copy_to_host(runs.metadata, stream).numpy()
     raise_recorded_negative_page(metadata[:NUM_SLOTS])
     return metadata[:NUM_SLOTS], list(metadata[NUM_SLOTS:].reshape(runs.num_spaces, -1))
 
@@ -100,26 +102,20 @@ def _run_list_from_host(space: cpu_backend.SpaceRuns, device: torch.device) -> R
     )
 
 
-def launch_runs(pages: dict[str, PageList], batch_pages: int) -> tuple[DeviceRuns, torch.Tensor]:
-    """Launch the run-grouping kernels on validated page lists: (device runs, status word)."""
+def launch_runs(pages: dict[str, PageList], batch_pages: int) -> DeviceRuns:
+    """Launch the run-grouping kernels on validated page lists (current device and stream)."""
     from gpu_planner.kernels.run_scan import launch_group_runs
-    from gpu_planner.kernels.status import new_status
 
     tensors = {name: as_tensor(values) for name, values in pages.items()}
-    status = new_status(tensors["src_pages"].device)
-    runs = launch_group_runs(
-        tensors["src_pages"],
-        tensors["dst_pages"],
-        tensors.get("dst_device_pages"),
-        batch_pages,
-        status,
+    return launch_group_runs(
+        tensors["src_pages"], tensors["dst_pages"], tensors.get("dst_device_pages"), batch_pages
     )
-    return runs, status
 
 
 def _group_runs_with_kernels(pages: dict[str, PageList], batch_pages: int) -> list[RunList]:
-    runs, status = launch_runs(pages, batch_pages)
-    _, batch_run_offsets = read_device_counts(status, runs)
+    with on_device(as_tensor(pages["src_pages"]).device):
+        runs = launch_runs(pages, batch_pages)
+        _, batch_run_offsets = read_device_counts(runs)
     run_counts = [int(offsets[-1]) for offsets in batch_run_offsets]
     return [
         RunList(

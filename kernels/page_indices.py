@@ -6,7 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-BLOCK_PAGES = 1024
+from gpu_planner.kernels.launch_config import PAGES
 
 
 @triton.jit
@@ -18,23 +18,28 @@ def _floor_div(numerator, denominator):
     return tl.where(rounds_up, quotient - 1, quotient)
 
 
-@triton.jit
+# Sizes, strides and counts are never specialised (one compile serves every
+# request), and the caller's slot tensors may be views at any address.
+@triton.jit(
+    do_not_specialize=["device_slots_stride", "host_slots_stride", "start_token", "num_pages"],
+    do_not_specialize_on_alignment=["device_slots_ptr", "host_slots_ptr"],
+)
 def _page_indices_kernel(
-    device_slots_ptr,
-    device_slots_stride,
-    host_slots_ptr,
-    host_slots_stride,
-    device_pages_ptr,
-    host_pages_ptr,
-    start_token,
-    num_pages,
-    page_size,
-    HAS_HOST: tl.constexpr,
-    BLOCK: tl.constexpr,
+    device_slots_ptr,  # int32/int64 [*]: the req_to_token row (device page space)
+    device_slots_stride: tl.int64,  # its element stride
+    host_slots_ptr,  # int32/int64 [*]: the host slot tensor (unused without HAS_HOST)
+    host_slots_stride: tl.int64,  # its element stride
+    device_pages_ptr,  # out, dtype of device_slots [num_pages]
+    host_pages_ptr,  # out, dtype of host_slots [num_pages]
+    start_token: tl.int64,  # first token of the range
+    num_pages: tl.int64,  # pages in the range: cdiv(end - start, page_size)
+    page_size: tl.int64,  # tokens per page
+    HAS_HOST: tl.constexpr,  # convert host slots too
+    BLOCK: tl.constexpr,  # pages per program
 ):
-    page = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    page = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     page_in_range = page < num_pages
-    token = start_token + page.to(tl.int64) * page_size
+    token = start_token + page * page_size
     device_slot = tl.load(
         device_slots_ptr + token * device_slots_stride, mask=page_in_range, other=0
     )
@@ -51,25 +56,28 @@ def launch_page_indices(
     end: int,
     page_size: int,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Pages of tokens [start, end) with step `page_size` for one or two slot tensors."""
+    """Pages of tokens [start, end) with step `page_size` for one or two slot tensors.
+
+    Launches on the current CUDA device and stream: the caller guards the device.
+    """
     num_pages = -(-(end - start) // page_size) if end > start else 0
     device_pages = torch.empty(num_pages, dtype=device_slots.dtype, device=device_slots.device)
     host_pages = None
     if host_slots is not None:
         host_pages = torch.empty(num_pages, dtype=host_slots.dtype, device=host_slots.device)
     if num_pages:
-        grid = (triton.cdiv(num_pages, BLOCK_PAGES),)
-        _page_indices_kernel[grid](
+        host_source = device_slots if host_slots is None else host_slots
+        _page_indices_kernel[(PAGES.num_programs(num_pages),)](
             device_slots,
             device_slots.stride(0),
-            device_slots if host_slots is None else host_slots,
-            device_slots.stride(0) if host_slots is None else host_slots.stride(0),
+            host_source,
+            host_source.stride(0),
             device_pages,
             device_pages if host_pages is None else host_pages,
             start,
             num_pages,
             page_size,
             HAS_HOST=host_slots is not None,
-            BLOCK=BLOCK_PAGES,
+            **PAGES.launch_options(),
         )
     return device_pages, host_pages

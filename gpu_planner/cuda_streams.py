@@ -1,0 +1,79 @@
+"""Where the planner's CUDA work runs: device guards, per-device side streams, device tables.
+
+Triton launches on `torch.cuda.current_device()` and its current stream, and
+a new thread starts on device 0, so every launch, allocation, copy and event
+of a plan runs under `on_device(pages' device)`. Reads of a finished plan run
+on a side stream of that device that waits on the plan's event alone, so a
+reader never waits for unrelated work queued on its own stream.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator, Sequence
+
+import numpy as np
+import torch
+
+from gpu_planner.errors import PlanValidationError
+
+_side_streams: dict[torch.device, torch.cuda.Stream] = {}
+_side_streams_lock = threading.Lock()
+
+
+def device_of(tensors: Sequence[torch.Tensor]) -> torch.device:
+    """The one device of `tensors`; mixed devices are a `PlanValidationError`."""
+    devices = {tensor.device for tensor in tensors}
+    if len(devices) > 1:
+        raise PlanValidationError(
+            f"tensors on {sorted(map(str, devices))}: one plan's tensors must share a device"
+        )
+    return devices.pop()
+
+
+@contextlib.contextmanager
+def on_device(device: torch.device) -> Iterator[None]:
+    """Make `device` current for CUDA launches and allocations; nothing on the CPU."""
+    if device.type != "cuda":
+        yield
+        return
+    with torch.cuda.device(device):
+        yield
+
+
+def side_stream(device: torch.device) -> torch.cuda.Stream:
+    """This process's side stream on `device` (created once), for reading finished plans."""
+    device = torch.device("cuda", torch.cuda._get_device_index(device, optional=True))
+    with _side_streams_lock:
+        if device not in _side_streams:
+            _side_streams[device] = torch.cuda.Stream(device=device)
+        return _side_streams[device]
+
+
+def copy_tables_to_device(
+    host_tables: dict[str, np.ndarray], device: torch.device
+) -> dict[str, torch.Tensor]:
+    """Per-buffer int64 tables on `device`, in one copy that is complete when this returns.
+
+    The tables are packed into one pinned array and copied on the device's side
+    stream; the host waits on that copy's event alone, once per layout and
+    device. Afterwards any stream of any thread may read them without ordering.
+    """
+    names = list(host_tables)
+    num_buffers = len(host_tables[names[0]])
+    # Rows padded to an even length start 16-byte aligned, whatever the buffer count:
+    # the expansion kernel then sees one pointer alignment (one compiled variant).
+    packed = torch.zeros((len(names), num_buffers + num_buffers % 2), dtype=torch.int64)
+    for row, name in enumerate(names):
+        packed[row, :num_buffers] = torch.from_numpy(np.asarray(host_tables[name], np.int64))
+    if device.type != "cuda":
+        return {name: packed[row, :num_buffers] for row, name in enumerate(names)}
+    with torch.cuda.device(device):
+        stream = side_stream(device)
+        with torch.cuda.stream(stream):
+            on_device_tables = packed.pin_memory().to(device, non_blocking=True)
+            copied = torch.cuda.Event()
+            copied.record(stream)
+        copied.synchronize()
+    return {name: on_device_tables[row, :num_buffers] for row, name in enumerate(names)}
