@@ -1,8 +1,10 @@
 """Compiled CPU backend: the planner's two passes as Numba loops, for CPU tensors.
 
 `_scan_pages` checks the pages, walks each space's page lists once to find its
-runs and batch cuts, checks the registered bounds and counts the descriptors;
-`_expand` then writes every (src_addr, dst_addr, length) once. A NumPy version
+runs and batch cuts, checks that every descriptor ends inside its buffer and
+counts the descriptors; `_expand` then writes every (src_addr, dst_addr,
+length) once. Errors go into the kernels' status word (`kernels/status.py`),
+so both backends decode and raise them alike. A NumPy version
 needed dozens of calls and several passes over the descriptor columns; right
 after other Python work has left the caches cold, as in a scheduler loop, it
 was 3x slower (README, "On the CPU"). Numba is already a dependency of
@@ -20,7 +22,16 @@ from typing import NamedTuple
 import numba
 import numpy as np
 
-from gpu_planner.inputs import PAGE_ARGUMENTS, PageList, as_host_array, negative_page_error
+from gpu_planner.inputs import PageList, as_host_array, raise_recorded_negative_page
+from gpu_planner.kernels.status import (
+    DST_SIDE,
+    NO_ERROR,
+    OUT_OF_BOUNDS,
+    SRC_SIDE,
+    new_status_array,
+    out_of_bounds_key,
+    recorded_out_of_bounds,
+)
 from gpu_planner.layout import DEVICE_SPACE, HOST_SPACE, BufferLayout
 
 
@@ -36,9 +47,8 @@ def _compiled(function: Callable) -> Callable:
         return numba.njit(nogil=True)(function)
 
 
-_NO_FAILURE = -1
-_OUT_OF_BOUNDS = len(PAGE_ARGUMENTS)  # a failure code after the page arguments' indices
 _DESCRIPTORS = 2  # the row of `counts` that holds descriptor offsets
+_out_of_bounds_key = _compiled(out_of_bounds_key)
 
 
 @dataclass
@@ -70,17 +80,17 @@ class CpuPlan(NamedTuple):
 
 
 def batch_page_count(num_pages: int, max_batch_pages: int) -> int:
-    """Pages per batch: the cut size, or all pages when batching is off."""
-    return max_batch_pages if 0 < max_batch_pages < num_pages else max(num_pages, 1)
+    """Pages per batch: the cut size, or all pages when batching is off (a Python int)."""
+    return int(max_batch_pages) if 0 < max_batch_pages < num_pages else max(num_pages, 1)
 
 
 @_compiled
 def _first_negative(pages):
-    """Position of the first negative page, or -1."""
+    """Position of the first negative page, or NO_ERROR."""
     for position in range(pages.shape[0]):
         if pages[position] < 0:
             return position
-    return -1
+    return NO_ERROR
 
 
 @_compiled
@@ -113,55 +123,58 @@ def _scan_runs(src_pages, dst_pages, batch_pages, table, batch_run_offsets):
 
 
 @_compiled
-def _within_bounds(table, num_runs, in_space, item_lens, src_limits, dst_limits):
-    """Whether the first `num_runs` runs of `table` fit every buffer `in_space` on both sides."""
-    src_end = 0
-    dst_end = 0
+def _first_out_of_bounds(table, num_runs, capacity, in_space, item_lens, src_limits, dst_limits):
+    """Status key of the first run of `table` past a buffer `in_space`, or NO_ERROR.
+
+    A run over pages [start, last] fits a buffer's side when `last < limit //
+    item_len` (`BufferLayout.byte_limits`): no product or sum here can overflow.
+    One pass finds each side's last page; only a buffer that fails walks its runs.
+    """
+    src_last = dst_last = -1
     for run in range(num_runs):
-        src_end = max(src_end, table[0, run] + table[2, run])
-        dst_end = max(dst_end, table[1, run] + table[2, run])
+        src_last = max(src_last, table[0, run] + table[2, run] - 1)
+        dst_last = max(dst_last, table[1, run] + table[2, run] - 1)
     for buffer in range(item_lens.shape[0]):
-        if in_space[buffer]:
-            item_len = item_lens[buffer]  # end * item_len > limit, without overflow:
-            if src_end > src_limits[buffer] // item_len or dst_end > dst_limits[buffer] // item_len:
-                return False
-    return True
+        src_fit = src_limits[buffer] // item_lens[buffer]
+        dst_fit = dst_limits[buffer] // item_lens[buffer]
+        if in_space[buffer] and (src_last >= src_fit or dst_last >= dst_fit):
+            for run in range(num_runs):
+                last_offset = table[2, run] - 1
+                dst_over = table[1, run] + last_offset >= dst_fit
+                if dst_over or table[0, run] + last_offset >= src_fit:
+                    side = DST_SIDE if dst_over else SRC_SIDE
+                    return _out_of_bounds_key(buffer, run, capacity, side)
+    return NO_ERROR
 
 
 @_compiled
 def _scan_pages(
-    pages,
-    batch_pages,
-    dst_is_device,
-    item_lens,
-    check_bounds,
-    src_limits,
-    dst_limits,
-    tables,
-    counts,
+    pages, batch_pages, dst_is_device, item_lens, src_limits, dst_limits, tables, counts, status
 ):
-    """Runs of every space into `tables` [2, 3, pages], offsets into `counts`; (failure, position).
+    """Runs of every space into `tables` [2, 3, pages], offsets into `counts`, errors into `status`.
 
     `pages` [1 + spaces, n] holds the source pages, then each space's destination
     pages. `counts[space]` gets each batch's first run of that space, then its total
     (a single space fills both rows); `counts[_DESCRIPTORS]` gets each batch's
-    first descriptor, then N. `failure` is the argument index of the first
-    negative page (at `position`), _OUT_OF_BOUNDS when a run passes a
-    registered bound, else _NO_FAILURE.
+    first descriptor, then N. `status` is the kernels' status word: the first
+    negative page of each argument (then nothing else is done), and the first
+    descriptor past its buffer.
     """
+    negative = False
     for argument in range(pages.shape[0]):
-        position = _first_negative(pages[argument])
-        if position >= 0:
-            return argument, position
+        status[argument] = _first_negative(pages[argument])
+        negative |= status[argument] != NO_ERROR
+    if negative:
+        return
     num_spaces = pages.shape[0] - 1
-    failure = _NO_FAILURE
+    capacity = tables.shape[2]
     for space in range(num_spaces):
         num_runs = _scan_runs(pages[0], pages[1 + space], batch_pages, tables[space], counts[space])
         in_space = dst_is_device == (space == DEVICE_SPACE)
-        if check_bounds and not _within_bounds(
-            tables[space], num_runs, in_space, item_lens, src_limits, dst_limits
-        ):
-            failure = _OUT_OF_BOUNDS
+        key = _first_out_of_bounds(
+            tables[space], num_runs, capacity, in_space, item_lens, src_limits, dst_limits
+        )
+        status[OUT_OF_BOUNDS] = min(status[OUT_OF_BOUNDS], key)
     if num_spaces == 1:
         counts[DEVICE_SPACE] = counts[HOST_SPACE]
     num_device_buffers = dst_is_device.sum()
@@ -171,7 +184,6 @@ def _scan_pages(
             num_host_buffers * counts[HOST_SPACE, batch]
             + num_device_buffers * counts[DEVICE_SPACE, batch]
         )
-    return failure, 0
 
 
 @_compiled
@@ -208,10 +220,10 @@ _NO_BUFFERS = BufferLayout([], [], [])
 
 def _scan(
     pages: dict[str, PageList], max_batch_pages: int, layout: BufferLayout
-) -> tuple[np.ndarray, np.ndarray, bool]:
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """`_scan_pages` on the page lists, stacked in host memory; raise for a negative page.
 
-    Returns (tables, counts, whether a run passes a registered bound).
+    Returns (tables, counts, status word).
     """
     num_pages = len(next(iter(pages.values())))
     # One int64 row per page list, copied row by row in C (np.stack is Python code).
@@ -219,23 +231,22 @@ def _scan(
     for row, values in zip(stacked, pages.values(), strict=True):
         row[:] = as_host_array(values)
     batch_pages = batch_page_count(num_pages, max_batch_pages)
-    tables = np.empty((2, 3, num_pages), dtype=np.int64)
+    tables = np.empty((2, 3, max(num_pages, 1)), dtype=np.int64)
     counts = np.empty((3, -(-num_pages // batch_pages) + 1), dtype=np.int64)
-    failure, position = _scan_pages(
+    status = new_status_array()
+    _scan_pages(
         stacked,
         batch_pages,
         layout.dst_is_device,
         layout.item_lens,
-        layout.has_bounds,
-        layout.bound_limits("src"),
-        layout.bound_limits("dst"),
+        layout.byte_limits("src"),
+        layout.byte_limits("dst"),
         tables,
         counts,
+        status,
     )
-    if failure not in (_NO_FAILURE, _OUT_OF_BOUNDS):
-        name = list(pages)[failure]
-        raise negative_page_error(name, position, int(stacked[failure, position]))
-    return tables, counts, failure == _OUT_OF_BOUNDS
+    raise_recorded_negative_page(status, stacked)
+    return tables, counts, status
 
 
 def _space_runs(tables: np.ndarray, counts: np.ndarray, num_spaces: int) -> list[SpaceRuns]:
@@ -257,16 +268,19 @@ def group_runs(pages: dict[str, PageList], max_batch_pages: int) -> list[SpaceRu
 def plan_descriptors(
     layout: BufferLayout, pages: dict[str, PageList], max_batch_pages: int
 ) -> CpuPlan:
-    """Plan one request; raise for a negative page or a run past a registered bound.
+    """Plan one request; raise for a negative page or a descriptor past its buffer.
 
     `pages` maps argument names (src_pages, dst_pages and, for layouts with
     device-backed buffers, dst_device_pages) to validated page lists.
     """
-    tables, counts, out_of_bounds = _scan(pages, max_batch_pages, layout)
+    tables, counts, status = _scan(pages, max_batch_pages, layout)
     num_spaces = len(pages) - 1
-    if out_of_bounds:
-        spaces = _space_runs(tables, counts, num_spaces)
-        raise layout.bounds_error(*first_bounds_violation(layout, spaces))
+    out_of_bounds = recorded_out_of_bounds(status, tables.shape[2])
+    if out_of_bounds is not None:
+        buffer, run, side = out_of_bounds
+        space_runs = tables[layout.space[buffer]]
+        page_start = int(space_runs[0 if side == "src" else 1, run])
+        raise layout.bounds_error(buffer, side, page_start, int(space_runs[2, run]))
     columns = np.empty((3, counts[_DESCRIPTORS, -1]), dtype=np.int64)
     _expand(
         tables,
@@ -288,28 +302,3 @@ def compile_kernels() -> None:
     """
     pages = np.arange(2, dtype=np.int64)
     plan_descriptors(_NO_BUFFERS, {"src_pages": pages, "dst_pages": pages}, 0)
-
-
-def first_bounds_violation(
-    layout: BufferLayout, spaces: list[SpaceRuns]
-) -> tuple[int, str, int, int]:
-    """The first (buffer, side, page_start, num_pages) reaching past a registered length.
-
-    Order: buffer in layout order, then run in page order, destination side
-    first: the order the Triton kernel's atomic-min key encodes. Called once
-    `_scan_pages` has found such a run, to name it.
-    """
-    for buffer in range(layout.num_buffers):
-        space = spaces[layout.space[buffer]]
-        item_len = int(layout.item_lens[buffer])
-        sides = {"dst": space.dst_starts, "src": space.src_starts}
-        over = {
-            side: starts + space.lengths > layout.bound_limits(side)[buffer] // item_len
-            for side, starts in sides.items()
-        }
-        runs_over = np.flatnonzero(over["dst"] | over["src"])
-        if runs_over.size:
-            run = int(runs_over[0])
-            side = "dst" if over["dst"][run] else "src"
-            return buffer, side, int(sides[side][run]), int(space.lengths[run])
-    raise RuntimeError("first_bounds_violation: every run is within its buffers' bounds")

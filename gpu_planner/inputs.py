@@ -8,6 +8,7 @@ import numpy as np
 import torch
 
 from gpu_planner.errors import PlanValidationError
+from gpu_planner.kernels.status import NEGATIVE_PAGE_SLOTS, recorded_negative_page
 
 Backend = Literal["cpu", "triton"]
 IndexLike = torch.Tensor | np.ndarray
@@ -17,6 +18,7 @@ PageList = torch.Tensor | np.ndarray  # validated: a NumPy array for data in hos
 _INDEX_DTYPES = (torch.int32, torch.int64)
 _INDEX_ARRAY_DTYPES = (np.dtype(np.int32), np.dtype(np.int64))
 HOST = torch.device("cpu")
+_INT64_MAX = 2**63 - 1
 
 
 def as_page_list(values: IndexLike, name: str) -> PageList:
@@ -45,8 +47,20 @@ def _checked_array(values: np.ndarray, name: str) -> np.ndarray:
     if values.ndim != 1:
         raise PlanValidationError(f"{name}: expected a 1-D tensor, got shape {values.shape}")
     if values.dtype not in _INDEX_ARRAY_DTYPES:
+        if values.dtype == np.uint64:
+            _check_fits_int64(np.flatnonzero(values > _INT64_MAX), values, name)
         values = values.astype(np.int64)
     return values
+
+
+def _check_fits_int64(too_large: np.ndarray, values: np.ndarray, name: str) -> None:
+    """Refuse unsigned 64-bit pages >= 2**63 (int64 would show them as negative)."""
+    if too_large.size:
+        position = int(too_large[0])
+        raise PlanValidationError(
+            f"{name}[{position}] = {int(values[position])}: page indices must be "
+            "< 2**63 (they do not fit in int64)"
+        )
 
 
 def _checked_tensor(values: torch.Tensor, name: str) -> torch.Tensor:
@@ -55,6 +69,12 @@ def _checked_tensor(values: torch.Tensor, name: str) -> torch.Tensor:
     if values.dtype not in _INDEX_DTYPES:
         if values.dtype.is_floating_point or values.dtype == torch.bool:
             raise PlanValidationError(f"{name}: expected an integer tensor, got {values.dtype}")
+        if values.dtype == torch.uint64:  # few uint64 kernels exist: compare its int64 view
+            signed = values.view(torch.int64)
+            _check_fits_int64(
+                torch.nonzero(signed < 0).flatten().cpu().numpy(), values.cpu().numpy(), name
+            )
+            return signed
         values = values.to(torch.int64)
     return values
 
@@ -76,16 +96,25 @@ def as_index_tensor(values: IndexLike, name: str) -> torch.Tensor:
     return as_tensor(as_page_list(values, name))
 
 
-def check_page_size(page_size: int) -> None:
-    if not isinstance(page_size, int) or isinstance(page_size, bool) or page_size < 1:
-        raise PlanValidationError(f"page_size: must be an int >= 1, got {page_size!r}")
+def _is_integer(value: object) -> bool:
+    """A Python or NumPy integer, not a bool (True is no page count)."""
+    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
 
 
-def check_max_batch_pages(max_batch_pages: int) -> None:
-    if not isinstance(max_batch_pages, int) or max_batch_pages < 0:
+def check_page_size(page_size: int) -> int:
+    """`page_size` as a Python int; refuse anything but an integer >= 1."""
+    if not _is_integer(page_size) or page_size < 1:
+        raise PlanValidationError(f"page_size: must be an integer >= 1, got {page_size!r}")
+    return int(page_size)
+
+
+def check_max_batch_pages(max_batch_pages: int) -> int:
+    """`max_batch_pages` as a Python int; refuse anything but an integer >= 0."""
+    if not _is_integer(max_batch_pages) or max_batch_pages < 0:
         raise PlanValidationError(
-            f"max_batch_pages: must be an int >= 0 (0 = no cut), got {max_batch_pages!r}"
+            f"max_batch_pages: must be an integer >= 0 (0 = no cut), got {max_batch_pages!r}"
         )
+    return int(max_batch_pages)
 
 
 def check_same_length(first: PageList, first_name: str, other: PageList, name: str) -> None:
@@ -111,7 +140,7 @@ def check_same_device(page_lists: dict[str, PageList]) -> torch.device:
     return device
 
 
-PAGE_ARGUMENTS = ("src_pages", "dst_pages", "dst_device_pages")
+PAGE_ARGUMENTS = tuple(NEGATIVE_PAGE_SLOTS)  # src_pages, dst_pages, dst_device_pages
 
 
 def collect_pages(
@@ -133,17 +162,20 @@ def negative_page_error(name: str, position: int, value: int | None = None) -> P
     return PlanValidationError(f"{name}[{position}]{shown}: page indices must be >= 0")
 
 
-def raise_recorded_negative_page(status: np.ndarray) -> None:
-    """Raise for the first negative page the kernels recorded in the status word."""
-    from gpu_planner.kernels.status import NO_ERROR
+def raise_recorded_negative_page(status: np.ndarray, pages: np.ndarray | None = None) -> None:
+    """Raise for the first negative page recorded in the status word (host copy).
 
-    for slot, name in enumerate(PAGE_ARGUMENTS):
-        if status[slot] != NO_ERROR:
-            raise negative_page_error(name, int(status[slot]))
+    `pages`, the page lists stacked in argument order, adds the page's value.
+    """
+    recorded = recorded_negative_page(status)
+    if recorded is not None:
+        name, position = recorded
+        value = None if pages is None else int(pages[NEGATIVE_PAGE_SLOTS[name], position])
+        raise negative_page_error(name, position, value)
 
 
 def resolve_backend(backend: Backend | None, device: torch.device) -> Backend:
-    """Auto: Triton on CUDA tensors, the vectorised CPU backend on CPU tensors."""
+    """Auto: Triton on CUDA tensors, the compiled CPU backend on CPU tensors."""
     if backend is None:
         return "triton" if device.type == "cuda" else "cpu"
     if backend not in ("cpu", "triton"):

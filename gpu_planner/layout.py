@@ -2,36 +2,57 @@
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 
 import numpy as np
 import torch
 
+from gpu_planner.cuda_streams import copy_tables_to_device
 from gpu_planner.errors import BoundsError, PlanValidationError
 
 HOST_SPACE = 0
 DEVICE_SPACE = 1
 
 
+INT64_MAX = 2**63 - 1  # the last byte address a descriptor may reach
+
+
 def _as_int64(values: Sequence[int] | np.ndarray | torch.Tensor, name: str) -> np.ndarray:
+    """`values` as a flat int64 array; refuse non-integers and values outside int64."""
     if isinstance(values, torch.Tensor):
         values = values.cpu().numpy()
     array = np.asarray(values)
     if array.ndim != 1:
         raise PlanValidationError(f"{name}: expected a flat list, got shape {array.shape}")
-    if array.size and array.dtype.kind not in "iub":
-        raise PlanValidationError(f"{name}: expected integers, got dtype {array.dtype}")
-    if array.dtype == np.uint64 and array.size and int(array.max()) >= 2**63:
-        raise PlanValidationError(f"{name}: value {int(array.max())} does not fit in int64")
-    return array.astype(np.int64)
+    if array.dtype.kind in "ib" or (array.dtype.kind == "u" and array.itemsize < 8):
+        return array.astype(np.int64)
+    # uint64 data, or Python ints NumPy could not hold as int64: values >= 2**63 make
+    # a list uint64, float64 (mixed with negatives) or object. Check them one by one.
+    if array.dtype.kind == "u" or array.dtype == object:
+        return _checked_ints(array.tolist(), name)
+    if array.dtype.kind == "f" and not isinstance(values, np.ndarray):
+        return _checked_ints(values, name)
+    raise PlanValidationError(f"{name}: expected integers, got dtype {array.dtype}")
 
 
-def _to_device(values: np.ndarray, device: torch.device) -> torch.Tensor:
-    """Copy to `device`; to CUDA through pinned memory so the copy never blocks the host."""
-    tensor = torch.from_numpy(values)
-    if device.type != "cuda":
-        return tensor
-    return tensor.pin_memory().to(device, non_blocking=True)
+def _checked_ints(values: Sequence, name: str) -> np.ndarray:
+    """Python-level check of each value: an integer that fits in int64, named on failure."""
+    checked = []
+    for position, value in enumerate(values):
+        try:
+            value = operator.index(value)
+        except TypeError:
+            raise PlanValidationError(
+                f"{name}[{position}] = {value!r}: expected an integer"
+            ) from None
+        if not -INT64_MAX - 1 <= value <= INT64_MAX:
+            raise PlanValidationError(
+                f"{name}[{position}] = {value}: does not fit in int64 (addresses and "
+                "lengths must be below 2**63)"
+            )
+        checked.append(value)
+    return np.array(checked, dtype=np.int64)
 
 
 class BufferLayout:
@@ -41,7 +62,8 @@ class BufferLayout:
     `dst_ptrs[b]`. `dst_is_device[b]` picks the destination page space of that
     buffer (device pages when true, host pages otherwise). `src_lens`/`dst_lens`,
     when given, are the registered byte lengths used to bounds-check every
-    descriptor before any byte moves.
+    descriptor before any byte moves; without them every descriptor must still
+    end at or below address 2**63 - 1 (no address wraps).
     """
 
     def __init__(
@@ -96,10 +118,14 @@ class BufferLayout:
         group_of = {key: group for group, key in enumerate(leaders)}
         self.length_group_leaders = list(leaders.values())
         self.length_groups = [group_of[key] for key in keys]
-        unbounded = np.full(self.num_buffers, np.iinfo(np.int64).max, dtype=np.int64)
-        self._bound_limits = {
-            "src": unbounded if self.src_lens is None else self.src_lens,
-            "dst": unbounded if self.dst_lens is None else self.dst_lens,
+        # Per side, the bytes past each buffer's pointer that a descriptor may reach:
+        # its registered length, else the rest of the int64 address space.
+        self._byte_limits = {
+            side: INT64_MAX - ptrs if lens is None else lens
+            for side, ptrs, lens in (
+                ("src", self.src_ptrs, self.src_lens),
+                ("dst", self.dst_ptrs, self.dst_lens),
+            )
         }
         self._device_tables: dict[torch.device, dict[str, torch.Tensor]] = {}
 
@@ -110,16 +136,38 @@ class BufferLayout:
     def first_device_buffer(self) -> int | None:
         return int(self.space_buffers[DEVICE_SPACE][0]) if self.num_device_buffers else None
 
-    def bound_limits(self, side: str) -> np.ndarray:
-        """Registered byte length per buffer on `side` ("src"/"dst"); int64 max when unknown."""
-        return self._bound_limits[side]
+    def byte_limits(self, side: str) -> np.ndarray:
+        """Per buffer, the bytes past its `side` pointer a descriptor may reach (int64).
 
-    def bounds_error(self, buffer: int, side: str, page_start: int, num_pages: int) -> BoundsError:
-        """The error for `buffer`'s descriptor over pages [page_start, +num_pages) on `side`."""
+        The registered length (`src_lens`/`dst_lens`) when given, else the rest of
+        the int64 address space: every descriptor ends at or below 2**63 - 1. A
+        descriptor over pages [start, last] fits when `last < limit // item_len`,
+        a comparison that cannot overflow.
+        """
+        return self._byte_limits[side]
+
+    def bounds_error(
+        self, buffer: int, side: str, page_start: int, num_pages: int
+    ) -> PlanValidationError:
+        """The error for `buffer`'s descriptor over pages [page_start, +num_pages) on `side`.
+
+        A `BoundsError` when it passes the registered length, else a
+        `PlanValidationError`: it passes the end of the int64 address space.
+        """
         item_len = int(self.item_lens[buffer])
-        limit = int(self.bound_limits(side)[buffer])
+        limit = int(self.byte_limits(side)[buffer])
         end = (page_start + num_pages) * item_len
-        first_bad_page = max(page_start, limit // item_len)
+        pages = (
+            f"buffer {buffer}: {side} pages {page_start}..{page_start + num_pages - 1} "
+            f"(item_len {item_len})"
+        )
+        first_bad_page = f"first page out of range: {max(page_start, limit // item_len)}"
+        if getattr(self, f"{side}_lens") is None:
+            ptr = int(getattr(self, f"{side}_ptrs")[buffer])
+            return PlanValidationError(
+                f"{pages} end at address {ptr + end}, past the int64 address space "
+                f"({side}_ptrs[{buffer}] = {ptr}, last address 2**63 - 1); {first_bad_page}"
+            )
         space = "device" if self.dst_is_device[buffer] else "host"
         hint = (
             f"; buffer {buffer} is {space}-backed: is the {space} page space right?"
@@ -127,13 +175,15 @@ class BufferLayout:
             else ""
         )
         return BoundsError(
-            f"buffer {buffer}: {side} pages {page_start}..{page_start + num_pages - 1} "
-            f"(item_len {item_len}) reach byte {end} past {side}_lens[{buffer}] = {limit}; "
-            f"first page out of range: {first_bad_page}{hint}"
+            f"{pages} reach byte {end} past {side}_lens[{buffer}] = {limit}; {first_bad_page}{hint}"
         )
 
     def tables(self, device: torch.device) -> dict[str, torch.Tensor]:
-        """Per-buffer int64 tables on `device`, copied once per device and cached."""
+        """Per-buffer int64 tables on `device`, copied once per device and cached.
+
+        The copy is complete when this returns (`copy_tables_to_device`), so
+        plans on any stream of any thread may read the cached tables.
+        """
         if device not in self._device_tables:
             host_tables = {
                 "src_ptrs": self.src_ptrs,
@@ -142,13 +192,10 @@ class BufferLayout:
                 "space": self.space.astype(np.int64),
                 "host_before": self.host_before,
                 "device_before": self.device_before,
-                "src_lens": self.bound_limits("src"),
-                "dst_lens": self.bound_limits("dst"),
+                "src_lens": self.byte_limits("src"),
+                "dst_lens": self.byte_limits("dst"),
             }
-            self._device_tables[device] = {
-                name: _to_device(np.ascontiguousarray(values), device)
-                for name, values in host_tables.items()
-            }
+            self._device_tables[device] = copy_tables_to_device(host_tables, device)
         return self._device_tables[device]
 
     def _check_length(self, name: str, values: np.ndarray) -> None:
@@ -170,4 +217,15 @@ class BufferLayout:
                 b = int(bad[0])
                 raise PlanValidationError(
                     f"{name}[{b}] = {int(values[b])}: must be >= {minimum} (buffer {b})"
+                )
+        for side in ("src", "dst"):
+            ptrs, lens = getattr(self, f"{side}_ptrs"), getattr(self, f"{side}_lens")
+            if lens is None:
+                continue
+            bad = np.flatnonzero(lens > INT64_MAX - ptrs)  # ptrs >= 0: no overflow
+            if bad.size:
+                b = int(bad[0])
+                raise PlanValidationError(
+                    f"{side}_ptrs[{b}] + {side}_lens[{b}] = {int(ptrs[b]) + int(lens[b])}: "
+                    f"buffer {b} must end at or below address 2**63 - 1"
                 )

@@ -40,7 +40,7 @@ def kv_to_page_indices(
     Same device and dtype as the input (NumPy in, NumPy out). On CUDA the
     Triton kernel converts without any host synchronisation.
     """
-    check_page_size(page_size)
+    page_size = check_page_size(page_size)
     slots = as_index_tensor(kv_slots, "kv_slots")
     if resolve_backend(backend, slots.device) == "cpu":
         return _like_input(
@@ -66,7 +66,7 @@ def page_indices(
     host pages from its host slot tensor; the two page ids differ and each
     buffer must be planned with the space it lives in.
     """
-    check_page_size(page_size)
+    page_size = check_page_size(page_size)
     device_slots = as_index_tensor(req_to_token_row, "req_to_token_row")
     host = as_index_tensor(host_slots, "host_slots")
     if host.device != device_slots.device:

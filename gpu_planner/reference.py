@@ -9,6 +9,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from gpu_planner.errors import BoundsError, PlanValidationError
+
+INT64_MAX = 2**63 - 1
 Descriptors = tuple[list[int], list[int], list[int]]
 
 
@@ -43,11 +46,26 @@ def plan_batches(
     dst_is_device: Sequence[bool] | None = None,
     dst_device_pages: Sequence[int] | None = None,
     max_batch_pages: int = 0,
+    src_lens: Sequence[int] | None = None,
+    dst_lens: Sequence[int] | None = None,
 ) -> list[Descriptors]:
-    """One (srcs, dsts, lens) triple per non-empty batch, in submission order."""
+    """One (srcs, dsts, lens) triple per non-empty batch, in submission order.
+
+    Raises `PlanValidationError` for input `plan_transfer` refuses: a page or a
+    layout value outside int64, a negative page, and a descriptor that does not
+    end at or below address 2**63 - 1 or, with `src_lens`/`dst_lens`, within its
+    registered length (`BoundsError`). Python ints never wrap: each descriptor
+    is checked as computed.
+    """
     src_pages, dst_pages = [int(p) for p in src_pages], [int(p) for p in dst_pages]
     device_pages = None if dst_device_pages is None else [int(p) for p in dst_device_pages]
     is_device = [False] * len(src_ptrs) if dst_is_device is None else list(dst_is_device)
+    registered = {"src": src_lens, "dst": dst_lens}
+    _check_layout(src_ptrs, dst_ptrs, item_lens, registered)
+    pages = {"src_pages": src_pages, "dst_pages": dst_pages}
+    if device_pages is not None:
+        pages["dst_device_pages"] = device_pages
+    _check_pages(pages, uses_device_pages=any(is_device))
     batches: list[Descriptors] = []
     for cut in batch_slices(len(src_pages), max_batch_pages):
         host_runs = group_runs(src_pages[cut], dst_pages[cut])
@@ -57,15 +75,74 @@ def plan_batches(
         srcs: list[int] = []
         dsts: list[int] = []
         lens: list[int] = []
-        for src_ptr, dst_ptr, item_len, on_device in zip(
-            src_ptrs, dst_ptrs, item_lens, is_device, strict=True
+        for buffer, (src_ptr, dst_ptr, item_len, on_device) in enumerate(
+            zip(src_ptrs, dst_ptrs, item_lens, is_device, strict=True)
         ):
             if on_device and device_runs is None:
                 raise ValueError("a device-backed buffer needs dst_device_pages")
-            for src_start, dst_start, length in device_runs if on_device else host_runs:
-                srcs.append(int(src_ptr) + src_start * int(item_len))
-                dsts.append(int(dst_ptr) + dst_start * int(item_len))
-                lens.append(int(item_len) * length)
+            src_ptr, dst_ptr, item_len = int(src_ptr), int(dst_ptr), int(item_len)
+            src_limit = _byte_limit(registered["src"], buffer, src_ptr)
+            dst_limit = _byte_limit(registered["dst"], buffer, dst_ptr)
+            for src_start, dst_start, run_pages in device_runs if on_device else host_runs:
+                src_offset, dst_offset = src_start * item_len, dst_start * item_len
+                length = item_len * run_pages
+                if dst_offset + length > dst_limit:
+                    raise _past_buffer(buffer, "dst", dst_ptr, dst_offset + length, registered)
+                if src_offset + length > src_limit:
+                    raise _past_buffer(buffer, "src", src_ptr, src_offset + length, registered)
+                srcs.append(src_ptr + src_offset)
+                dsts.append(dst_ptr + dst_offset)
+                lens.append(length)
         if srcs:
             batches.append((srcs, dsts, lens))
     return batches
+
+
+def _check_layout(
+    src_ptrs: Sequence[int],
+    dst_ptrs: Sequence[int],
+    item_lens: Sequence[int],
+    registered: dict[str, Sequence[int] | None],
+) -> None:
+    """Pointers in [0, 2**63), item lengths >= 1, buffers ending at or below 2**63 - 1."""
+    for name, values, minimum in (
+        ("src_ptrs", src_ptrs, 0),
+        ("dst_ptrs", dst_ptrs, 0),
+        ("item_lens", item_lens, 1),
+    ):
+        for buffer, value in enumerate(values):
+            if not minimum <= int(value) <= INT64_MAX:
+                raise PlanValidationError(f"{name}[{buffer}] = {value}: out of range")
+    for side, ptrs in (("src", src_ptrs), ("dst", dst_ptrs)):
+        for buffer, length in enumerate(registered[side] or ()):
+            if not 0 <= int(length) <= INT64_MAX - int(ptrs[buffer]):
+                raise PlanValidationError(f"{side}_lens[{buffer}] = {length}: out of range")
+
+
+def _check_pages(pages: dict[str, list[int]], uses_device_pages: bool) -> None:
+    """Pages fit in int64; used ones are >= 0 (plan_transfer ignores unused device pages)."""
+    for name, values in pages.items():
+        minimum = 0 if name != "dst_device_pages" or uses_device_pages else -INT64_MAX - 1
+        for position, page in enumerate(values):
+            if not minimum <= page <= INT64_MAX:
+                raise PlanValidationError(f"{name}[{position}] = {page}: out of range")
+
+
+def _byte_limit(lens: Sequence[int] | None, buffer: int, ptr: int) -> int:
+    """The bytes past `ptr` a descriptor may reach: the registered length, else up to 2**63 - 1."""
+    return INT64_MAX - ptr if lens is None else int(lens[buffer])
+
+
+def _past_buffer(
+    buffer: int, side: str, ptr: int, end: int, registered: dict[str, Sequence[int] | None]
+) -> PlanValidationError:
+    """The error for a descriptor of `buffer` ending `end` bytes past its `side` pointer."""
+    lens = registered[side]
+    if lens is not None:
+        return BoundsError(
+            f"buffer {buffer}: {side} descriptor ends at byte {end} past "
+            f"{side}_lens[{buffer}] = {lens[buffer]}"
+        )
+    return PlanValidationError(
+        f"buffer {buffer}: {side} descriptor ends at address {ptr + end}, past 2**63 - 1"
+    )
