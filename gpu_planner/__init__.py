@@ -12,6 +12,7 @@ from gpu_planner.pages import PageIndices, kv_to_page_indices, page_indices
 from gpu_planner.pending import PendingPageIndices, page_indices_async
 from gpu_planner.plan import BufferBatch, TransferPlan, plan_transfer
 from gpu_planner.runs import RunList, Runs, group_runs
+from gpu_planner.warmup import warmup
 
 __all__ = [
     "BoundsError",
@@ -29,4 +30,5 @@ __all__ = [
     "page_indices_async",
     "plan_transfer",
     "reference",
+    "warmup",
 ]

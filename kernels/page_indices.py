@@ -21,7 +21,13 @@ def _floor_div(numerator, denominator):
 # Sizes, strides and counts are never specialised (one compile serves every
 # request), and the caller's slot tensors may be views at any address.
 @triton.jit(
-    do_not_specialize=["device_slots_stride", "host_slots_stride", "start_token", "num_pages"],
+    do_not_specialize=[
+        "device_slots_stride",
+        "host_slots_stride",
+        "start_token",
+        "num_pages",
+        "page_size",
+    ],
     do_not_specialize_on_alignment=["device_slots_ptr", "host_slots_ptr"],
 )
 def _page_indices_kernel(

@@ -1,137 +1,181 @@
-"""Compile every planner kernel ahead of time for an H200 (sm_90) without a GPU.
+"""Compile every kernel variant for an H200 (sm_90) without a GPU; prove plans compile no more.
 
-The interpreter checks semantics on CPU but not typing or lowering; this
-compiles each kernel variant the launchers use through Triton's real
-CUDA pipeline down to PTX and cubin. Run with TRITON_INTERPRET unset.
+Triton's JIT runs for real against a stand-in driver that reports an sm_90
+target and loads and launches nothing. `warm_up_kernels` (what `gp.warmup`
+runs) then compiles each variant through Triton's CUDA pipeline down to a
+cubin, which catches typing and lowering errors the interpreter lets
+through, into the JIT's own per-device cache. Next the launchers run for
+every page count, buffer count, batch cut, page dtype and view kind of the
+sweep below: a launch whose specialisation key warm-up did not compile
+compiles here, and is counted. A control kernel without `do_not_specialize`
+shows the count does see specialisation. Run with TRITON_INTERPRET unset;
+prints one JSON line.
 """
 
 from __future__ import annotations
 
 import itertools
+import json
 import sys
 
+import torch
 import triton
 from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+from triton.runtime import driver
+from triton.runtime.jit import JITFunction
 
-from gpu_planner.kernels import expand_descriptors, page_indices, run_scan
-
-H200 = GPUTarget("cuda", 90, 64)
-
-
-def compile_kernel(kernel, signature: dict[str, str], constexprs: dict[str, object]) -> int:
-    signature = {**signature, **{name: "constexpr" for name in constexprs}}
-    compiled = triton.compile(ASTSource(kernel, signature, constexprs), target=H200)
-    return len(compiled.asm["cubin"])
+H200 = GPUTarget("cuda", 90, 32)
+CPU = torch.device("cpu")
+PAGE_COUNTS = (1, 2, 16, 17, 1024, 2048, 4099, 2**20)
+BUFFER_COUNTS = (1, 16, 61)
+MAX_BATCH_PAGES = (0, 16, 1000)
 
 
-def page_pointer_variants():
-    return itertools.product(["*i32", "*i64"], repeat=2)
+class _Sm90Utils:
+    @staticmethod
+    def get_device_properties(device):
+        return {"max_shared_mem": 232448, "multiprocessor_count": 132}
+
+    @staticmethod
+    def load_binary(name, kernel, shared, device):
+        return 1, 1, 0, 0, 1024  # module, function, registers, spills, max threads
+
+    @staticmethod
+    def unload_module(module):
+        pass
+
+
+class Sm90Driver:
+    """Triton driver stand-in: device 0 is an sm_90; kernels load and launch as no-ops."""
+
+    utils = _Sm90Utils()
+
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, device=None):
+        return 0
+
+    def get_current_target(self):
+        return H200
+
+    def launcher_cls(self, src, metadata):
+        return lambda *args: None
+
+
+compiled: list[tuple[str, str]] = []
+
+
+def _counting_compile(original):
+    def do_compile(self, key, *args, **kwargs):
+        kernel = original(self, key, *args, **kwargs)
+        assert kernel.asm["cubin"], f"{self._fn_name}: no cubin"
+        compiled.append((self._fn_name, key))
+        return kernel
+
+    return do_compile
+
+
+def page_views(num_pages: int, dtype: torch.dtype, seed: int) -> list[torch.Tensor]:
+    """The same page count as a contiguous tensor, an offset view and a strided view."""
+    base = torch.randperm(2 * num_pages + 3, generator=torch.Generator().manual_seed(seed))
+    base = base.to(dtype)
+    return [base[:num_pages].clone(), base[1 : num_pages + 1], base[3::2][:num_pages]]
+
+
+def sweep_plans() -> int:
+    """Launch the planner's kernels for every case of the sweep; return the launches."""
+    from gpu_planner import cpu_backend
+    from gpu_planner.inputs import collect_pages
+    from gpu_planner.kernels.expand_descriptors import launch_expand_descriptors
+    from gpu_planner.layout import BufferLayout
+    from gpu_planner.runs import launch_runs
+
+    launches = 0
+    dtypes = (torch.int32, torch.int64)
+    for num_pages, num_buffers in itertools.product(PAGE_COUNTS, BUFFER_COUNTS):
+        is_device = [buffer % 2 == 1 for buffer in range(num_buffers)]
+        layout = BufferLayout(
+            [1 << 20] * num_buffers, [1 << 30] * num_buffers, [4096] * num_buffers, is_device
+        )
+        tables = layout.tables(CPU)
+        for max_batch_pages, (src_dtype, dst_dtype, device_dtype), view in itertools.product(
+            MAX_BATCH_PAGES, itertools.product(dtypes, repeat=3), range(3)
+        ):
+            src = page_views(num_pages, src_dtype, 1)[view]
+            dst = page_views(num_pages, dst_dtype, 2)[view]
+            device_dst = page_views(num_pages, device_dtype, 3)[view] if any(is_device) else None
+            pages, _ = collect_pages(src, dst, device_dst)
+            batch_pages = cpu_backend.batch_page_count(num_pages, max_batch_pages)
+            runs = launch_runs(pages, batch_pages)
+            launch_expand_descriptors(
+                tables,
+                layout.num_host_buffers,
+                layout.num_device_buffers,
+                runs,
+                [1] * runs.num_spaces,  # the key cannot depend on counts: any value serves
+            )
+            launches += 4
+    return launches
+
+
+def sweep_page_indices() -> int:
+    from gpu_planner.kernels.page_indices import launch_page_indices
+
+    launches = 0
+    for tokens, page_size, (row_dtype, host_dtype) in itertools.product(
+        (1, 17, 4099, 1 << 20), (1, 16, 64), itertools.product((torch.int32, torch.int64), repeat=2)
+    ):
+        req_to_token = torch.arange(3 * (tokens + 5), dtype=row_dtype).view(3, -1)
+        row = req_to_token[1]  # a row view at an offset, as sglang passes it
+        host_slots = torch.arange(tokens + 7, dtype=host_dtype)[7:]
+        for start, host in ((0, host_slots), (tokens // 3, None)):
+            launch_page_indices(row, host, start, tokens, page_size)
+            launches += 1
+    return launches
+
+
+def specialising_control() -> int:
+    """New compiles of the count kernel, jitted without `do_not_specialize`, over page counts."""
+    from gpu_planner.kernels import run_scan
+    from gpu_planner.runs import launch_runs
+
+    plain = triton.jit(run_scan._count_runs_kernel.fn)
+    original, run_scan._count_runs_kernel = run_scan._count_runs_kernel, plain
+    before = len(compiled)
+    try:
+        for num_pages in (16, 17):
+            pages = torch.arange(num_pages, dtype=torch.int64)
+            launch_runs({"src_pages": pages, "dst_pages": pages}, batch_pages=num_pages)
+    finally:
+        run_scan._count_runs_kernel = original
+    return len(compiled) - before
 
 
 def main() -> int:
-    count = 0
-    for device_type, host_type in page_pointer_variants():
-        for has_host in (True, False):
-            signature = {
-                "device_slots_ptr": device_type,
-                "device_slots_stride": "i64",
-                "host_slots_ptr": host_type,
-                "host_slots_stride": "i64",
-                "device_pages_ptr": device_type,
-                "host_pages_ptr": host_type,
-                "start_token": "i64",
-                "num_pages": "i32",
-                "page_size": "i32",
-            }
-            compile_kernel(
-                page_indices._page_indices_kernel, signature, {"HAS_HOST": has_host, "BLOCK": 1024}
-            )
-            count += 1
-    for src_type, dst_type in page_pointer_variants():
-        pages = {
-            "src_ptr": src_type,
-            "src_stride": "i64",
-            "host_dst_ptr": dst_type,
-            "host_dst_stride": "i64",
-            "device_dst_ptr": dst_type,
-            "device_dst_stride": "i64",
-        }
-        for has_device in (True, False):
-            constexprs = {"HAS_DEVICE": has_device, "BLOCK": run_scan.BLOCK_PAGES}
-            compile_kernel(
-                run_scan._count_runs_kernel,
-                {
-                    **pages,
-                    "block_counts_ptr": "*i64",
-                    "first_negative_ptr": "*i64",
-                    "num_pages": "i32",
-                    "num_blocks": "i32",
-                    "batch_pages": "i32",
-                },
-                constexprs,
-            )
-            compile_kernel(
-                run_scan._scatter_runs_kernel,
-                {
-                    **pages,
-                    "block_offsets_ptr": "*i64",
-                    "page_starts_ptr": "*i64",
-                    "page_ends_ptr": "*i64",
-                    "src_starts_ptr": "*i64",
-                    "dst_starts_ptr": "*i64",
-                    "batch_run_offsets_ptr": "*i64",
-                    "num_pages": "i32",
-                    "num_blocks": "i32",
-                    "capacity": "i32",
-                    "num_batches": "i32",
-                    "batch_pages": "i32",
-                },
-                constexprs,
-            )
-            count += 2
-    compile_kernel(
-        run_scan._scan_block_counts_kernel,
-        {
-            "block_counts_ptr": "*i64",
-            "block_offsets_ptr": "*i64",
-            "batch_run_offsets_ptr": "*i64",
-            "num_blocks": "i32",
-            "num_batches": "i32",
-        },
-        {"BLOCK": run_scan.BLOCK_SCAN},
-    )
-    count += 1
-    tables = [
-        "space_ptr",
-        "host_before_ptr",
-        "device_before_ptr",
-        "src_ptrs_ptr",
-        "dst_ptrs_ptr",
-        "item_lens_ptr",
-        "src_lens_ptr",
-        "dst_lens_ptr",
-        "page_starts_ptr",
-        "page_ends_ptr",
-        "src_starts_ptr",
-        "dst_starts_ptr",
-        "batch_run_offsets_ptr",
-        "descriptors_ptr",
-        "first_out_of_bounds_ptr",
-    ]
-    scalars = ["capacity", "num_batches", "batch_pages", "num_host_buffers", "num_device_buffers"]
-    for has_device, check_bounds in itertools.product((True, False), repeat=2):
-        compile_kernel(
-            expand_descriptors._expand_descriptors_kernel,
-            {**{name: "*i64" for name in tables}, **{name: "i32" for name in scalars}},
+    driver.set_active(Sm90Driver())
+    JITFunction._do_compile = _counting_compile(JITFunction._do_compile)
+    from gpu_planner.warmup import warm_up_kernels
+
+    warmup_launches = warm_up_kernels(CPU)
+    variants = sorted({name for name, _ in compiled})
+    per_kernel = {name: sum(1 for kernel, _ in compiled if kernel == name) for name in variants}
+    warmed = len(compiled)
+    plan_launches = sweep_plans() + sweep_page_indices()
+    new_after_warmup = compiled[warmed:]
+    control = specialising_control()
+    print(
+        json.dumps(
             {
-                "HAS_DEVICE": has_device,
-                "CHECK_BOUNDS": check_bounds,
-                "BLOCK": expand_descriptors.BLOCK_RUNS,
-            },
+                "warmup_launches": warmup_launches,
+                "compiled_variants": warmed,
+                "per_kernel": per_kernel,
+                "swept_launches": plan_launches,
+                "new_after_warmup": [name for name, _ in new_after_warmup],
+                "control_new_compiles": control,
+            }
         )
-        count += 1
-    print(f"compiled {count} kernel variants for sm_90")
+    )
     return 0
 
 
