@@ -38,33 +38,44 @@ def register() -> None:
         logger.info("gpu_planner: GPU_PLANNER_DISABLE is set; sglang plans its own transfers")
         return
     try:
-        # Imported here: these pull in sglang's Mooncake connector, which only
-        # sglang processes (not `import gpu_planner`) should pay for.
         from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-        from gpu_planner.integration.sglang import pages as sglang_pages
-        from gpu_planner.integration.sglang import send as sglang_send
+        hooks = hook_targets()
     except ImportError as error:
         log_fallback_once(f"sglang's Mooncake connector does not import ({error})")
         return
-    hooks = {
-        SEND_TARGET: (sglang_send.send_kvcache_generic_hook, sglang_send.HOOKED_PARAMETERS),
-        PAGES_TARGET: (sglang_pages.kv_to_page_indices_hook, sglang_pages.HOOKED_PARAMETERS),
-    }
     for target, (hook, expected) in hooks.items():
-        try:
-            found = function_parameters(pkgutil.resolve_name(target))
-        except (ImportError, AttributeError) as error:
-            log_fallback_once(f"{target} is not in this sglang ({error})")
-            continue
-        if found != expected:
-            log_fallback_once(
-                f"{target} has parameters {found}, not the {expected} of sglang 0.5.23"
-            )
+        mismatch = target_mismatch(target, expected)
+        if mismatch is not None:
+            log_fallback_once(mismatch)
             continue
         HookRegistry.register(target, hook, HookType.AROUND)
         if target == SEND_TARGET:  # sends plan on the CPU backend: compile before the first
             cpu_backend.compile_kernels()
+
+
+def hook_targets() -> dict[str, tuple[Callable, Parameters]]:
+    """Each hooked target: (hook, the target parameters it mirrors). ImportError without sglang."""
+    # Imported here: these pull in sglang's Mooncake connector, which only
+    # sglang processes (not `import gpu_planner`) should pay for.
+    from gpu_planner.integration.sglang import pages as sglang_pages
+    from gpu_planner.integration.sglang import send as sglang_send
+
+    return {
+        SEND_TARGET: (sglang_send.send_kvcache_generic_hook, sglang_send.HOOKED_PARAMETERS),
+        PAGES_TARGET: (sglang_pages.kv_to_page_indices_hook, sglang_pages.HOOKED_PARAMETERS),
+    }
+
+
+def target_mismatch(target: str, expected: Parameters) -> str | None:
+    """Why the hook on `target` would not register in this sglang (missing or changed), or None."""
+    try:
+        found = function_parameters(pkgutil.resolve_name(target))
+    except (ImportError, AttributeError) as error:
+        return f"{target} is not in this sglang ({error})"
+    if found != expected:
+        return f"{target} has parameters {found}, not the {expected} of sglang 0.5.23"
+    return None
 
 
 def function_parameters(function: Callable) -> Parameters:

@@ -3,23 +3,36 @@
 sglang groups contiguous pages with NumPy and builds every descriptor in a
 Python double loop. The hook keeps sglang's entry mapping (see
 `sglang_entries`) and its engine calls, but plans the runs and descriptors with
-gpu_planner: the same `batch_transfer_sync` calls, with the same arguments, in
-the same order, and the same return value. Inputs the planner does not model
-fall back to the original function, logged once per reason.
+gpu_planner: the same engine calls, with the same descriptors, in the same
+order, and the same return value. Inputs the planner does not model fall back
+to the original function, logged once per reason.
+
+sglang's `MooncakeTransferEngine.batch_transfer_sync` hands Mooncake Python
+lists and turns an exception into -1. When the Mooncake engine inside it takes
+descriptor arrays (0.3.14+, see `mooncake.handoff`), the hook calls
+`batch_transfer_sync_write_arrays` on it directly with views of the plan's
+columns, with the same session and the same exception-to--1 rule.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import inspect
+import logging
 from collections.abc import Callable
 
 import numpy as np
 from sglang.srt.disaggregation.mooncake import conn
+from sglang.srt.distributed.device_communicators.mooncake_transfer_engine import (
+    MooncakeTransferEngine,
+)
 
 import gpu_planner as gp
+from gpu_planner.integration.mooncake import handoff
 from gpu_planner.integration.sglang.entries import Entry, SendCall, transfer_entries
 from gpu_planner.integration.sglang.fallback import log_fallback_once
+
+logger = logging.getLogger(__name__)
 
 # The original's parameters, as the plugin's register() compares them.
 HOOKED_PARAMETERS = (("self", inspect.Parameter.empty),) + tuple(
@@ -47,21 +60,47 @@ def send_kvcache_generic_hook(
         return original(manager, *args, **kwargs)
     if plan is None:
         return 0
-    engine = manager.engine
+    path, send = engine_send(manager.engine)
     session = call.mooncake_session_id
     if _uses_per_layer_futures(manager):
         futures = [
-            call.executor.submit(
-                engine.batch_transfer_sync, session, piece.srcs, piece.dsts, piece.lens
-            )
-            for piece in plan.buffer_batches()
+            call.executor.submit(send, session, piece.srcs, piece.dsts, piece.lens)
+            for piece in handoff.buffer_batches(plan, path)
         ]
         return manager._await_transfer_futures(futures)
-    for srcs, dsts, lens in plan.batches():
-        status = engine.batch_transfer_sync(session, srcs, dsts, lens)
+    for srcs, dsts, lens in handoff.batches(plan, path):
+        status = send(session, srcs, dsts, lens)
         if status != 0:
             return status
     return 0
+
+
+def engine_send(wrapper: object) -> tuple[handoff.Path, handoff.EngineCall]:
+    """The hand-off path and the call that sends one batch as sglang's `wrapper` would.
+
+    Arrays only through sglang's own `MooncakeTransferEngine.batch_transfer_sync`
+    (not overridden) around a Mooncake engine that has the arrays method;
+    anything else gets the wrapper's own method, with lists.
+    """
+    engine = getattr(wrapper, "engine", None)
+    if (
+        getattr(type(wrapper), "batch_transfer_sync", None)
+        is not MooncakeTransferEngine.batch_transfer_sync
+        or handoff.handoff_path(engine, "write") != handoff.ARRAYS
+    ):
+        return handoff.LISTS, wrapper.batch_transfer_sync
+    write_arrays = engine.batch_transfer_sync_write_arrays
+
+    def send(session: str, srcs: np.ndarray, dsts: np.ndarray, lens: np.ndarray) -> int:
+        try:
+            status = write_arrays(session, srcs, dsts, lens)
+        except Exception:  # sglang's wrapper: any engine exception is status -1
+            status = -1
+        if status < 0:
+            logger.debug("Failed to batch transfer %d descriptors to %s", len(lens), session)
+        return status
+
+    return handoff.ARRAYS, send
 
 
 def _uses_per_layer_futures(manager: conn.MooncakeKVManager) -> bool:

@@ -1,0 +1,139 @@
+"""`gpu-planner info`: what gpu_planner finds in this environment (run it in your sglang env).
+
+Versions of the packages it works with, whether the sglang plugin would load
+and hook each target (the plugin's own checks, without registering), the
+backend each kind of page list gets, and the Mooncake hand-off (arrays or
+lists) that the installed Mooncake gives.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import importlib.util
+
+import torch
+
+PACKAGES = {  # shown name: distribution name
+    "gpu_planner": "gpu-planner",
+    "sglang": "sglang",
+    "torch": "torch",
+    "Triton": "triton",
+    "Numba": "numba",
+    "NumPy": "numpy",
+    "nvtx": "nvtx",
+}
+NOT_INSTALLED = "not installed"
+
+Section = list[tuple[str, str]]
+
+
+def _version(distribution: str) -> str:
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return NOT_INSTALLED
+
+
+def mooncake_distributions() -> list[str]:
+    """The installed distributions that provide the `mooncake` package, as `name version`.
+
+    The non-CUDA, CUDA 12 and CUDA 13 builds ship the same package; more than
+    one means one overwrote the other's files.
+    """
+    names = importlib.metadata.packages_distributions().get("mooncake", [])
+    return [f"{name} {_version(name)}" for name in sorted(set(names))]
+
+
+def versions() -> Section:
+    rows = [(shown, _version(distribution)) for shown, distribution in PACKAGES.items()]
+    found = mooncake_distributions()
+    mooncake = ", ".join(found) or NOT_INSTALLED
+    if len(found) > 1:
+        mooncake += " (several builds of one package: reinstall the one you run)"
+    return [*rows, ("Mooncake", mooncake)]
+
+
+def sglang_plugin() -> Section:
+    """Would sglang's `load_plugins()` load gpu_planner, and which targets would it hook."""
+    from gpu_planner.integration.sglang.plugin import plugin_disabled
+
+    points = importlib.metadata.entry_points(group="sglang.srt.plugins")
+    if not any(point.name == "gpu_planner" for point in points):
+        return [("plugin", "no sglang.srt.plugins entry point named gpu_planner")]
+    if plugin_disabled():
+        return [("plugin", "GPU_PLANNER_DISABLE is set: sglang plans its own transfers")]
+    if importlib.util.find_spec("sglang") is None:
+        return [("plugin", "sglang is not installed")]
+    from gpu_planner.integration.sglang.plugin import hook_targets, target_mismatch
+
+    try:
+        hooks = hook_targets()
+    except ImportError as error:
+        reason = f"sglang's Mooncake connector does not import ({error})"
+        return [("plugin", f"would not load: {reason}")]
+    rows = [("plugin", "would load")]
+    for target, (_, expected) in hooks.items():
+        mismatch = target_mismatch(target, expected)
+        rows.append((target, "hooked" if mismatch is None else f"not hooked: {mismatch}"))
+    return rows
+
+
+def backends() -> Section:
+    """The backend `plan_transfer` picks for each kind of page list."""
+    from gpu_planner.inputs import HOST, resolve_backend
+
+    cuda = resolve_backend(None, torch.device("cuda"))
+    if not torch.cuda.is_available():
+        cuda += " (no CUDA device visible here)"
+    return [
+        ("NumPy array", resolve_backend(None, HOST)),
+        ("CPU tensor", resolve_backend(None, HOST)),
+        ("CUDA tensor", cuda),
+        ("sglang send hook", f"{resolve_backend(None, HOST)} (sglang passes NumPy page lists)"),
+    ]
+
+
+def mooncake_handoff() -> Section:
+    """The hand-off path the installed Mooncake engine class gives, per direction."""
+    from gpu_planner.integration.mooncake import handoff
+
+    try:
+        from mooncake.engine import TransferEngine
+    except ImportError as error:
+        return [("hand-off", f"Mooncake's engine does not import ({error})")]
+    rows = []
+    for direction in ("write", "read"):
+        path = handoff.engine_type_path(TransferEngine, direction)
+        note = f" ({handoff.HANDOFF_ENV}=lists)" if handoff.lists_forced() else ""
+        rows.append((f"{direction} hand-off", path + note))
+    return rows
+
+
+def report() -> str:
+    """Every section, as aligned `name  value` lines under a heading each."""
+    sections = {
+        "versions": versions(),
+        "sglang plugin": sglang_plugin(),
+        "planner backend by input": backends(),
+        "Mooncake hand-off": mooncake_handoff(),
+    }
+    width = max(len(name) for rows in sections.values() for name, _ in rows)
+    lines = []
+    for heading, rows in sections.items():
+        lines.append(f"{heading}:")
+        lines += [f"  {name:<{width}}  {value}" for name, value in rows]
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    print(report())
+    return 0
+
+
+def add_command(subparsers: argparse._SubParsersAction) -> None:
+    """Add `info` to the `gpu-planner` parser (the `gpu_planner.commands` entry point)."""
+    parser = subparsers.add_parser(
+        "info", help="versions, sglang plugin status, planner backends and Mooncake hand-off"
+    )
+    parser.set_defaults(run=run)
