@@ -148,14 +148,13 @@ class TransferPlan:
 
     def _raise_out_of_bounds(self, status: np.ndarray, device_runs) -> None:
         """Raise the first out-of-bounds descriptor the expansion kernel recorded, if any."""
-        from gpu_planner.kernels.status import NO_ERROR, OUT_OF_BOUNDS
+        from gpu_planner.kernels.status import recorded_out_of_bounds
 
-        if status[OUT_OF_BOUNDS] != NO_ERROR:
-            key, side_bit = divmod(int(status[OUT_OF_BOUNDS]), 2)
-            buffer, run = divmod(key, device_runs.capacity)
+        recorded = recorded_out_of_bounds(status, device_runs.capacity)
+        if recorded is not None:
+            buffer, run, side = recorded
             space = int(self.layout.space[buffer])
-            side = "src" if side_bit else "dst"
-            starts = device_runs.src_starts if side_bit else device_runs.dst_starts
+            starts = device_runs.src_starts if side == "src" else device_runs.dst_starts
             page_start = int(starts[space, run])
             num_pages = int(device_runs.page_ends[space, run] - device_runs.page_starts[space, run])
             raise self.layout.bounds_error(buffer, side, page_start, num_pages)

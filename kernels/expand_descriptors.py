@@ -6,6 +6,8 @@ host fetches it with one copy. Buffer `b` in batch `k` starts at
     num_host_buffers * host_runs_before_k + num_device_buffers * device_runs_before_k
     + host_before[b] * host_runs_in_k + device_before[b] * device_runs_in_k
 so every program finds its output slots from device-side counts alone.
+The grid is (run blocks, buffers): runs on the x axis, which has no practical
+limit, and buffers on the y axis (at most 65535, checked by the plan).
 """
 
 from __future__ import annotations
@@ -14,40 +16,50 @@ import torch
 import triton
 import triton.language as tl
 
+from gpu_planner.kernels.launch_config import RUNS
 from gpu_planner.kernels.run_scan import DeviceRuns
-from gpu_planner.kernels.status import OUT_OF_BOUNDS
+from gpu_planner.kernels.status import DST_SIDE, NO_ERROR, OUT_OF_BOUNDS, SRC_SIDE
 
-BLOCK_RUNS = 1024
+_NO_ERROR = tl.constexpr(NO_ERROR)
+_DST_SIDE = tl.constexpr(DST_SIDE)
+_SRC_SIDE = tl.constexpr(SRC_SIDE)
 
 
-@triton.jit
+@triton.jit(
+    do_not_specialize=[
+        "capacity",
+        "num_batches",
+        "batch_pages",
+        "num_host_buffers",
+        "num_device_buffers",
+    ]
+)
 def _expand_descriptors_kernel(
-    space_ptr,
-    host_before_ptr,
-    device_before_ptr,
-    src_ptrs_ptr,
-    dst_ptrs_ptr,
-    item_lens_ptr,
-    src_lens_ptr,
-    dst_lens_ptr,
-    page_starts_ptr,
-    page_ends_ptr,
-    src_starts_ptr,
-    dst_starts_ptr,
-    batch_run_offsets_ptr,
-    descriptors_ptr,
-    first_out_of_bounds_ptr,
-    capacity,
-    num_batches,
-    batch_pages,
-    num_host_buffers,
-    num_device_buffers,
-    HAS_DEVICE: tl.constexpr,
-    CHECK_BOUNDS: tl.constexpr,
-    BLOCK: tl.constexpr,
+    space_ptr,  # int64 [buffers]: destination space of each buffer (0 host, 1 device)
+    host_before_ptr,  # int64 [buffers]: host-space buffers before each buffer
+    device_before_ptr,  # int64 [buffers]: device-space buffers before each buffer
+    src_ptrs_ptr,  # int64 [buffers]: source base address
+    dst_ptrs_ptr,  # int64 [buffers]: destination base address
+    item_lens_ptr,  # int64 [buffers]: bytes per page
+    src_lens_ptr,  # int64 [buffers]: source bytes a descriptor may reach past src_ptrs
+    dst_lens_ptr,  # int64 [buffers]: destination bytes a descriptor may reach past dst_ptrs
+    page_starts_ptr,  # int64 [spaces, capacity]: first page of each run
+    page_ends_ptr,  # int64 [spaces, capacity]: one past its last page
+    src_starts_ptr,  # int64 [spaces, capacity]: its first source page
+    dst_starts_ptr,  # int64 [spaces, capacity]: its first destination page
+    batch_run_offsets_ptr,  # int64 [spaces, num_batches + 1]: first run of each batch, count
+    descriptors_ptr,  # out, int64 [3, total]: src addrs, dst addrs, lengths
+    first_out_of_bounds_ptr,  # int64 status slot: first out-of-bounds key (atomic min)
+    capacity: tl.int64,  # row length of the run tables
+    num_batches: tl.int64,
+    batch_pages: tl.int64,  # pages per batch
+    num_host_buffers: tl.int64,
+    num_device_buffers: tl.int64,
+    HAS_DEVICE: tl.constexpr,  # a device space exists
+    BLOCK: tl.constexpr,  # runs per program
 ):
-    buffer = tl.program_id(0)
-    run = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    buffer = tl.program_id(1)
+    run = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     space = tl.load(space_ptr + buffer)
     total = num_host_buffers * tl.load(batch_run_offsets_ptr + num_batches)
     if HAS_DEVICE:
@@ -88,12 +100,19 @@ def _expand_descriptors_kernel(
     tl.store(descriptor_ptr, tl.load(dst_ptrs_ptr + buffer) + dst_offset, mask=run_in_range)
     tl.store(descriptor_ptr + total, length, mask=run_in_range)
 
-    if CHECK_BOUNDS:
-        dst_over = run_in_range & (dst_offset + length > tl.load(dst_lens_ptr + buffer))
-        src_over = run_in_range & (src_offset + length > tl.load(src_lens_ptr + buffer))
-        key = (buffer.to(tl.int64) * capacity + run) * 2 + tl.where(dst_over, 0, 1)
-        key = tl.where(dst_over | src_over, key, 9223372036854775807)
-        tl.atomic_min(first_out_of_bounds_ptr, tl.min(key, axis=0))
+    # Every descriptor must end within its buffer's byte limit on each side (the
+    # registered length, else the rest of the int64 address space). The products
+    # above may wrap; this compares the run's last page with the pages that fit,
+    # which cannot. Key: status.out_of_bounds_key, so the first error wins.
+    last_offset = run_pages - 1
+    dst_fit = tl.load(dst_lens_ptr + buffer) // item_len
+    src_fit = tl.load(src_lens_ptr + buffer) // item_len
+    dst_over = run_in_range & (dst_start + last_offset >= dst_fit)
+    src_over = run_in_range & (src_start + last_offset >= src_fit)
+    side = tl.where(dst_over, _DST_SIDE, _SRC_SIDE)
+    key = (buffer.to(tl.int64) * capacity + run) * 2 + side
+    key = tl.where(dst_over | src_over, key, _NO_ERROR)
+    tl.atomic_min(first_out_of_bounds_ptr, tl.min(key, axis=0))
 
 
 def launch_expand_descriptors(
@@ -101,17 +120,20 @@ def launch_expand_descriptors(
     num_host_buffers: int,
     num_device_buffers: int,
     runs: DeviceRuns,
-    status: torch.Tensor,
-    check_bounds: bool,
+    run_counts: list[int],
 ) -> torch.Tensor:
-    """Write every buffer's descriptors into a worst-case flat int64 tensor (3 packed columns)."""
-    num_buffers = num_host_buffers + num_device_buffers
-    descriptors = torch.empty(
-        3 * num_buffers * runs.capacity, dtype=torch.int64, device=runs.page_starts.device
-    )
-    if runs.num_pages == 0 or num_buffers == 0:
+    """Write every buffer's descriptors into an exact flat int64 tensor (3 packed columns).
+
+    `run_counts` holds each space's run count, read from `runs.batch_run_offsets`:
+    they size the output and the grid. Launches on the current CUDA device and
+    stream; a layout of more than 65535 buffers is refused by the caller.
+    """
+    space_buffers = (num_host_buffers, num_device_buffers)[: runs.num_spaces]
+    total = sum(buffers * count for buffers, count in zip(space_buffers, run_counts, strict=True))
+    descriptors = torch.empty(3 * total, dtype=torch.int64, device=runs.page_starts.device)
+    if total == 0:
         return descriptors
-    grid = (num_buffers, triton.cdiv(runs.capacity, BLOCK_RUNS))
+    grid = (RUNS.num_programs(max(run_counts)), num_host_buffers + num_device_buffers)
     _expand_descriptors_kernel[grid](
         tables["space"],
         tables["host_before"],
@@ -127,14 +149,13 @@ def launch_expand_descriptors(
         runs.dst_starts,
         runs.batch_run_offsets,
         descriptors,
-        status[OUT_OF_BOUNDS:],
+        runs.status[OUT_OF_BOUNDS:],
         runs.capacity,
         runs.num_batches,
         runs.batch_pages,
         num_host_buffers,
         num_device_buffers,
         HAS_DEVICE=runs.num_spaces > 1,
-        CHECK_BOUNDS=check_bounds,
-        BLOCK=BLOCK_RUNS,
+        **RUNS.launch_options(),
     )
     return descriptors

@@ -14,10 +14,19 @@ import torch
 import triton
 import triton.language as tl
 
-from gpu_planner.kernels.status import NEGATIVE_SRC
+from gpu_planner.kernels.launch_config import PAGES, SCAN
+from gpu_planner.kernels.status import NEGATIVE_PAGE_SLOTS, NO_ERROR, NUM_SLOTS
 
-BLOCK_PAGES = 1024
-BLOCK_SCAN = 1024
+# The status slots of the first negative page of each page list (kernels/status.py),
+# relative to the source pages' slot, which the count kernel receives.
+_SRC_SLOT = NEGATIVE_PAGE_SLOTS["src_pages"]
+_HOST_DST_SLOT = tl.constexpr(NEGATIVE_PAGE_SLOTS["dst_pages"] - _SRC_SLOT)
+_DEVICE_DST_SLOT = tl.constexpr(NEGATIVE_PAGE_SLOTS["dst_device_pages"] - _SRC_SLOT)
+_NO_ERROR = tl.constexpr(NO_ERROR)
+
+# Page pointers may be views at any address; sizes and counts are never specialised.
+PAGE_POINTERS = ["src_ptr", "host_dst_ptr", "device_dst_ptr"]
+PAGE_STRIDES = ["src_stride", "host_dst_stride", "device_dst_stride"]
 
 
 @triton.jit
@@ -36,29 +45,32 @@ def _run_start_flags(src, prev_src, dst_ptr, dst_stride, page, page_in_range, ba
 
 @triton.jit
 def _record_first_negative(status_slot_ptr, pages, page, page_in_range):
-    negative_at = tl.where(page_in_range & (pages < 0), page.to(tl.int64), 9223372036854775807)
+    negative_at = tl.where(page_in_range & (pages < 0), page.to(tl.int64), _NO_ERROR)
     tl.atomic_min(status_slot_ptr, tl.min(negative_at, axis=0))
 
 
-@triton.jit
+@triton.jit(
+    do_not_specialize=PAGE_STRIDES + ["num_pages", "num_blocks", "batch_pages"],
+    do_not_specialize_on_alignment=PAGE_POINTERS,
+)
 def _count_runs_kernel(
-    src_ptr,
-    src_stride,
-    host_dst_ptr,
-    host_dst_stride,
-    device_dst_ptr,
-    device_dst_stride,
-    block_counts_ptr,
-    first_negative_ptr,
-    num_pages,
-    num_blocks,
-    batch_pages,
-    HAS_DEVICE: tl.constexpr,
-    BLOCK: tl.constexpr,
+    src_ptr,  # int32/int64 [num_pages]: source pages
+    src_stride: tl.int64,  # element stride of src
+    host_dst_ptr,  # int32/int64 [num_pages]: host-space destination pages
+    host_dst_stride: tl.int64,
+    device_dst_ptr,  # int32/int64 [num_pages]: device-space destination pages (or host's)
+    device_dst_stride: tl.int64,
+    block_counts_ptr,  # out, int64 [spaces, num_blocks]: run starts per block
+    first_negative_ptr,  # int64 status slots: first negative src, host dst, device dst page
+    num_pages: tl.int64,
+    num_blocks: tl.int64,  # programs in the grid
+    batch_pages: tl.int64,  # pages per batch: a run never crosses a multiple of it
+    HAS_DEVICE: tl.constexpr,  # a device space exists
+    BLOCK: tl.constexpr,  # pages per program
 ):
     """Run starts per block and space; first negative src, host dst, device dst page."""
     block = tl.program_id(0)
-    page = block * BLOCK + tl.arange(0, BLOCK)
+    page = block.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     page_in_range = page < num_pages
     src = _load_pages(src_ptr, src_stride, page, page_in_range)
     prev_src = _load_pages(src_ptr, src_stride, page - 1, page_in_range & (page > 0))
@@ -68,23 +80,25 @@ def _count_runs_kernel(
         src, prev_src, host_dst_ptr, host_dst_stride, page, page_in_range, batch_pages
     )
     tl.store(block_counts_ptr + block, tl.sum(host_starts.to(tl.int64), axis=0))
-    _record_first_negative(first_negative_ptr + 1, host_dst, page, page_in_range)
+    _record_first_negative(first_negative_ptr + _HOST_DST_SLOT, host_dst, page, page_in_range)
     if HAS_DEVICE:
         device_starts, device_dst = _run_start_flags(
             src, prev_src, device_dst_ptr, device_dst_stride, page, page_in_range, batch_pages
         )
         tl.store(block_counts_ptr + num_blocks + block, tl.sum(device_starts.to(tl.int64), axis=0))
-        _record_first_negative(first_negative_ptr + 2, device_dst, page, page_in_range)
+        _record_first_negative(
+            first_negative_ptr + _DEVICE_DST_SLOT, device_dst, page, page_in_range
+        )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_blocks", "num_batches"])
 def _scan_block_counts_kernel(
-    block_counts_ptr,
-    block_offsets_ptr,
-    batch_run_offsets_ptr,
-    num_blocks,
-    num_batches,
-    BLOCK: tl.constexpr,
+    block_counts_ptr,  # int64 [spaces, num_blocks]: run starts per block
+    block_offsets_ptr,  # out, int64 [spaces, num_blocks]: runs before each block
+    batch_run_offsets_ptr,  # out, int64 [spaces, num_batches + 1]: the run count at the end
+    num_blocks: tl.int64,
+    num_batches: tl.int64,
+    BLOCK: tl.constexpr,  # block counts per loop step
 ):
     """One program per space: exclusive scan of block counts; the total ends the batch table."""
     space = tl.program_id(0)
@@ -136,30 +150,34 @@ def _scatter_space_runs(
     tl.store(batch_run_offsets_ptr + page // batch_pages, run, mask=starts_batch)
 
 
-@triton.jit
+@triton.jit(
+    do_not_specialize=PAGE_STRIDES
+    + ["num_pages", "num_blocks", "capacity", "num_batches", "batch_pages"],
+    do_not_specialize_on_alignment=PAGE_POINTERS,
+)
 def _scatter_runs_kernel(
-    src_ptr,
-    src_stride,
-    host_dst_ptr,
-    host_dst_stride,
-    device_dst_ptr,
-    device_dst_stride,
-    block_offsets_ptr,
-    page_starts_ptr,
-    page_ends_ptr,
-    src_starts_ptr,
-    dst_starts_ptr,
-    batch_run_offsets_ptr,
-    num_pages,
-    num_blocks,
-    capacity,
-    num_batches,
-    batch_pages,
-    HAS_DEVICE: tl.constexpr,
-    BLOCK: tl.constexpr,
+    src_ptr,  # int32/int64 [num_pages]: source pages
+    src_stride: tl.int64,
+    host_dst_ptr,  # int32/int64 [num_pages]: host-space destination pages
+    host_dst_stride: tl.int64,
+    device_dst_ptr,  # int32/int64 [num_pages]: device-space destination pages (or host's)
+    device_dst_stride: tl.int64,
+    block_offsets_ptr,  # int64 [spaces, num_blocks]: runs before each block
+    page_starts_ptr,  # out, int64 [spaces, capacity]: first page of each run
+    page_ends_ptr,  # out, int64 [spaces, capacity]: one past its last page
+    src_starts_ptr,  # out, int64 [spaces, capacity]: its first source page
+    dst_starts_ptr,  # out, int64 [spaces, capacity]: its first destination page
+    batch_run_offsets_ptr,  # out, int64 [spaces, num_batches + 1]: first run of each batch
+    num_pages: tl.int64,
+    num_blocks: tl.int64,
+    capacity: tl.int64,  # row length of the run tables
+    num_batches: tl.int64,
+    batch_pages: tl.int64,
+    HAS_DEVICE: tl.constexpr,  # a device space exists
+    BLOCK: tl.constexpr,  # pages per program
 ):
     block = tl.program_id(0)
-    page = block * BLOCK + tl.arange(0, BLOCK)
+    page = block.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     page_in_range = page < num_pages
     src = _load_pages(src_ptr, src_stride, page, page_in_range)
     prev_src = _load_pages(src_ptr, src_stride, page - 1, page_in_range & (page > 0))
@@ -203,13 +221,17 @@ def _scatter_runs_kernel(
 
 @dataclass
 class DeviceRuns:
-    """Runs of both destination spaces, padded to `capacity`; row 0 host, row 1 device."""
+    """Runs of both destination spaces, padded to `capacity`; row 0 host, row 1 device.
+
+    `metadata` is the one small tensor the host reads before expansion: the
+    status word, then each space's batch run offsets.
+    """
 
     page_starts: torch.Tensor  # int64 [spaces, capacity]
     page_ends: torch.Tensor  # int64 [spaces, capacity]
     src_starts: torch.Tensor  # int64 [spaces, capacity]
     dst_starts: torch.Tensor  # int64 [spaces, capacity]
-    batch_run_offsets: torch.Tensor  # int64 [spaces, num_batches + 1], last = run count
+    metadata: torch.Tensor  # int64 [NUM_SLOTS + spaces * (num_batches + 1)]
     num_pages: int
     num_batches: int
     batch_pages: int
@@ -222,6 +244,16 @@ class DeviceRuns:
     def num_spaces(self) -> int:
         return self.page_starts.shape[0]
 
+    @property
+    def status(self) -> torch.Tensor:
+        """int64 [NUM_SLOTS]: the status word the kernels record errors in."""
+        return self.metadata[:NUM_SLOTS]
+
+    @property
+    def batch_run_offsets(self) -> torch.Tensor:
+        """int64 [spaces, num_batches + 1]: first run of each batch, then the run count."""
+        return self.metadata[NUM_SLOTS:].view(self.num_spaces, self.num_batches + 1)
+
 
 def _int64_rows(rows: int, columns: int, device: torch.device) -> torch.Tensor:
     return torch.empty((rows, columns), dtype=torch.int64, device=device)
@@ -232,30 +264,35 @@ def launch_group_runs(
     host_dst_pages: torch.Tensor,
     device_dst_pages: torch.Tensor | None,
     batch_pages: int,
-    status: torch.Tensor,
 ) -> DeviceRuns:
-    """Group runs for one or two destination spaces with three launches and no host read."""
+    """Group runs for one or two destination spaces: one fill, three kernels, no host read.
+
+    Launches on the current CUDA device and stream: the caller guards the device.
+    """
     num_pages = src_pages.numel()
     num_spaces = 1 if device_dst_pages is None else 2
     num_batches = triton.cdiv(num_pages, batch_pages)
     device = src_pages.device
     capacity = max(num_pages, 1)
 
+    # One fill: the status slots start empty; the kernels write every batch offset.
+    metadata = torch.full(
+        (NUM_SLOTS + num_spaces * (num_batches + 1),), NO_ERROR, dtype=torch.int64, device=device
+    )
     runs = DeviceRuns(
         page_starts=_int64_rows(num_spaces, capacity, device),
         page_ends=_int64_rows(num_spaces, capacity, device),
         src_starts=_int64_rows(num_spaces, capacity, device),
         dst_starts=_int64_rows(num_spaces, capacity, device),
-        batch_run_offsets=torch.zeros(
-            (num_spaces, num_batches + 1), dtype=torch.int64, device=device
-        ),
+        metadata=metadata,
         num_pages=num_pages,
         num_batches=num_batches,
         batch_pages=batch_pages,
     )
     if num_pages == 0:
+        runs.batch_run_offsets.zero_()
         return runs
-    num_blocks = triton.cdiv(num_pages, BLOCK_PAGES)
+    num_blocks = PAGES.num_programs(num_pages)
     block_counts = _int64_rows(num_spaces, num_blocks, device)
     block_offsets = _int64_rows(num_spaces, num_blocks, device)
     device_dst = host_dst_pages if device_dst_pages is None else device_dst_pages
@@ -268,15 +305,16 @@ def launch_group_runs(
         device_dst.stride(0),
     )
     has_device = device_dst_pages is not None
+    status = runs.status
     _count_runs_kernel[(num_blocks,)](
         *page_args,
         block_counts,
-        status[NEGATIVE_SRC:],
+        status[_SRC_SLOT:],
         num_pages,
         num_blocks,
         batch_pages,
         HAS_DEVICE=has_device,
-        BLOCK=BLOCK_PAGES,
+        **PAGES.launch_options(),
     )
     _scan_block_counts_kernel[(num_spaces,)](
         block_counts,
@@ -284,7 +322,7 @@ def launch_group_runs(
         runs.batch_run_offsets,
         num_blocks,
         num_batches,
-        BLOCK=BLOCK_SCAN,
+        **SCAN.launch_options(),
     )
     _scatter_runs_kernel[(num_blocks,)](
         *page_args,
@@ -300,6 +338,6 @@ def launch_group_runs(
         num_batches,
         batch_pages,
         HAS_DEVICE=has_device,
-        BLOCK=BLOCK_PAGES,
+        **PAGES.launch_options(),
     )
     return runs

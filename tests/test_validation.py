@@ -62,7 +62,7 @@ def test_layout_errors_name_the_list_and_buffer(overrides, message):
         layout(**overrides)
 
 
-@pytest.mark.parametrize("bad", [-1, 1.5])
+@pytest.mark.parametrize("bad", [-1, 1.5, True])
 def test_bad_batch_limit(bad):
     with pytest.raises(gp.PlanValidationError, match="max_batch_pages"):
         gp.plan_transfer(np.arange(4), np.arange(4), layout(), max_batch_pages=bad)
