@@ -7,6 +7,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from gpu_planner.cuda_streams import on_device
 from gpu_planner.errors import PlanValidationError
 from gpu_planner.inputs import Backend, IndexLike, as_index_tensor, check_page_size, resolve_backend
 
@@ -48,7 +49,8 @@ def kv_to_page_indices(
         )
     from gpu_planner.kernels.page_indices import launch_page_indices
 
-    pages, _ = launch_page_indices(slots, None, 0, slots.numel(), page_size)
+    with on_device(slots.device):
+        pages, _ = launch_page_indices(slots, None, 0, slots.numel(), page_size)
     return _like_input(pages, kv_slots)
 
 
@@ -83,7 +85,10 @@ def page_indices(
     else:
         from gpu_planner.kernels.page_indices import launch_page_indices
 
-        device_pages, host_pages = launch_page_indices(device_slots, host, start, end, page_size)
+        with on_device(device_slots.device):
+            device_pages, host_pages = launch_page_indices(
+                device_slots, host, start, end, page_size
+            )
     return PageIndices(
         host=_like_input(host_pages, host_slots), device=_like_input(device_pages, req_to_token_row)
     )

@@ -65,7 +65,9 @@ def page_indices_async(
 
     Same arguments, checks and results as `gp.page_indices`. On CUDA it is one
     kernel launch, then one pinned copy per space and an event, all on the
-    current stream; on CPU the result is complete when this returns.
+    current stream of the slots' device (whatever device is current in the
+    calling thread): the copy follows the kernel, which follows the work that
+    wrote the slots. On CPU the result is complete when this returns.
     """
     pages = page_indices(req_to_token_row, host_slots, start, end, page_size, backend)
     (host, device), copied = copy_to_host_async(

@@ -31,6 +31,7 @@ from gpu_planner.cuda_streams import device_of
 ALIGN_BYTES = 16  # each tensor of a multi-tensor copy starts at this alignment
 MIN_BLOCK_BYTES = 4096
 DEFAULT_MAX_RETAINED_BYTES = 64 << 20
+_PORTABLE = 1  # cudaHostRegisterPortable: pinned for every device, as the pool serves them all
 
 
 @dataclass(eq=False)
@@ -52,7 +53,7 @@ def allocate_pinned_block(nbytes: int) -> Block:
     unpinned, instead of staying pinned in torch's cache.
     """
     array = np.frombuffer(mmap.mmap(-1, nbytes), dtype=np.uint8)
-    error = torch.cuda.cudart().cudaHostRegister(array.ctypes.data, nbytes, 0)
+    error = int(torch.cuda.cudart().cudaHostRegister(array.ctypes.data, nbytes, _PORTABLE))
     if error != 0:
         raise RuntimeError(f"cudaHostRegister of {nbytes} bytes failed (error {error})")
     return Block(array, torch.from_numpy(array))

@@ -1,0 +1,126 @@
+"""The pinned staging pool: give-back without a lock, a byte cap, least-recently-used eviction.
+
+The pool's bookkeeping is the same for any host memory, so these run on plain
+host blocks; the CUDA copies themselves are checked in tests/cuda/.
+"""
+
+from __future__ import annotations
+
+import gc
+import threading
+
+import numpy as np
+import pytest
+import torch
+from conftest import ON_CUDA
+
+from gpu_planner.cuda_streams import device_of
+from gpu_planner.errors import PlanValidationError
+from gpu_planner.staging import MIN_BLOCK_BYTES, Block, PinnedStaging
+
+
+class HostMemory:
+    """Plain host blocks, with a record of every block the pool releases."""
+
+    def __init__(self) -> None:
+        self.released: list[Block] = []
+
+    def allocate(self, nbytes: int) -> Block:
+        array = np.zeros(nbytes, dtype=np.uint8)
+        return Block(array, torch.from_numpy(array))
+
+    def release(self, block: Block) -> None:
+        self.released.append(block)
+
+
+class CopyEvent:
+    """The part of a CUDA event the pool reads: whether its copy has completed."""
+
+    def __init__(self) -> None:
+        self.done = False
+
+    def query(self) -> bool:
+        return self.done
+
+
+def _lend(pool: PinnedStaging, nbytes: int, ready=None) -> tuple[Block, np.ndarray]:
+    """Take a block as a copy does: the returned view's death gives it back."""
+    block = pool.take(nbytes)
+    view = block.array[:]
+    pool.give_back_when_freed(view, block, ready)
+    return block, view
+
+
+def test_give_back_during_a_collection_under_the_pool_lock_does_not_deadlock():
+    """A collection while `take` holds the lock runs the give-back: it must not wait on it."""
+    pool = PinnedStaging(allocate=HostMemory().allocate)
+    _, view = _lend(pool, 100)
+    cycle = [view]
+    cycle.append(cycle)  # only a garbage collection frees the view
+    del view, cycle
+    finished = threading.Event()
+
+    def collect_under_the_lock() -> None:
+        with pool._lock:  # where `take` is when a collection happens to run
+            gc.collect()
+        finished.set()
+
+    worker = threading.Thread(target=collect_under_the_lock, daemon=True)
+    worker.start()
+    worker.join(timeout=60)
+    assert finished.is_set(), "the give-back waited on the pool's own lock"
+    assert pool.retained_bytes == MIN_BLOCK_BYTES
+
+
+def test_retained_bytes_are_capped_and_the_least_recently_used_go_first():
+    memory = HostMemory()
+    pool = PinnedStaging(
+        max_retained_bytes=48 << 10, allocate=memory.allocate, release=memory.release
+    )
+    huge, view = _lend(pool, 1 << 20)  # one huge plan
+    del view
+    assert pool.retained_bytes == 0 and memory.released == [huge]  # over the cap alone
+
+    first, first_view = _lend(pool, 16 << 10)
+    second, second_view = _lend(pool, 16 << 10)
+    third, third_view = _lend(pool, 32 << 10)
+    del first_view, second_view, third_view  # returned in this order: first is least recent
+    assert pool.retained_bytes == 48 << 10
+    assert memory.released == [huge, first]
+    assert pool.take(10 << 10) is second  # the smallest free block that fits
+
+
+def test_a_block_is_reused_only_after_its_copy_completed():
+    pool = PinnedStaging(allocate=HostMemory().allocate)
+    copying = CopyEvent()
+    block, view = _lend(pool, 100, copying)
+    del view  # dropped unread while its copy may still be writing
+    assert pool.take(100) is not block
+    copying.done = True
+    assert pool.take(100) is block
+
+
+def test_mixed_devices_are_a_clear_error():
+    with pytest.raises(PlanValidationError, match="share a device"):
+        device_of([torch.zeros(1), torch.zeros(1, device="meta")])
+
+
+@pytest.mark.skipif(not ON_CUDA, reason="no CUDA device (the host-memory twins above run)")
+def test_cuda_staging_copies_exactly_and_unpins_evicted_blocks():
+    from gpu_planner.staging import allocate_pinned_block, release_pinned_block
+
+    released = []
+
+    def release(block: Block) -> None:
+        released.append(block.nbytes)
+        release_pinned_block(block)
+
+    pool = PinnedStaging(max_retained_bytes=1 << 16, release=release)
+    source = torch.arange(1 << 16, device="cuda")
+    (host,), copied = pool.copy_to_host_async([source])
+    copied.synchronize()
+    assert torch.equal(host, source.cpu())
+    del host
+    pool.take(1)  # takes the returned block in, over the cap: unpinned
+    assert released == [1 << 19]
+    assert allocate_pinned_block(4096).tensor.is_pinned()
