@@ -129,10 +129,6 @@ class BufferLayout:
         }
         self._device_tables: dict[torch.device, dict[str, torch.Tensor]] = {}
 
-    @property
-    def has_bounds(self) -> bool:
-        return self.src_lens is not None or self.dst_lens is not None
-
     def first_device_buffer(self) -> int | None:
         return int(self.space_buffers[DEVICE_SPACE][0]) if self.num_device_buffers else None
 

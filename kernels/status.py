@@ -19,7 +19,6 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import numpy as np
-import torch
 
 NO_ERROR = 2**63 - 1
 NEGATIVE_PAGE_SLOTS = {"src_pages": 0, "dst_pages": 1, "dst_device_pages": 2}
@@ -69,8 +68,3 @@ def recorded_negative_page(status: np.ndarray) -> tuple[str, int] | None:
 def new_status_array() -> np.ndarray:
     """An empty status word in host memory (the CPU backend's)."""
     return np.full(NUM_SLOTS, NO_ERROR, dtype=np.int64)
-
-
-def new_status(device: torch.device) -> torch.Tensor:
-    """An empty status word on `device` (the kernels')."""
-    return torch.full((NUM_SLOTS,), NO_ERROR, dtype=torch.int64, device=device)
