@@ -65,11 +65,13 @@ def release_pinned_block(block: Block) -> None:
 
 
 def _block_bytes(nbytes: int) -> int:
-    return max(1 << max(nbytes - 1, 0).bit_length(), MIN_BLOCK_BYTES)
+    """`nbytes` rounded up to one of 8 size classes per power of two (at most 25% more)."""
+    granule = max(1 << max(nbytes.bit_length() - 3, 0), MIN_BLOCK_BYTES)
+    return -(-max(nbytes, 1) // granule) * granule
 
 
 class PinnedStaging:
-    """A pool of pinned byte blocks, sized to powers of two and recycled.
+    """A pool of pinned byte blocks, in size classes, recycled.
 
     `allocate`/`release` make and free a block (pinned memory by default;
     any host memory works, which is how the pool is tested without a GPU).
