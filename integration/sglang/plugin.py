@@ -5,7 +5,11 @@ entry point named `gpu_planner`. It registers AROUND hooks on
 `MooncakeKVManager._send_kvcache_generic` and `kv_to_page_indices` with
 sglang's `HookRegistry`, after checking that each target still has the
 signature of sglang 0.5.23 that the hooks mirror. `GPU_PLANNER_DISABLE=1`
-turns the plugin off.
+turns the plugin off. With the page hook it also registers an AFTER hook on
+`MooncakeKVManager.__init__` that compiles the Triton kernels (`gp.warmup`)
+on the process's GPU, off the request path. Registering never touches CUDA:
+plugins load before sglang selects each rank's GPU, so a CUDA call here would
+create a context on GPU 0 in every rank.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ logger = logging.getLogger(__name__)
 
 SEND_TARGET = "sglang.srt.disaggregation.mooncake.conn.MooncakeKVManager._send_kvcache_generic"
 PAGES_TARGET = "sglang.srt.mem_cache.common.kv_to_page_indices"
+WARMUP_TARGET = "sglang.srt.disaggregation.mooncake.conn.MooncakeKVManager.__init__"
 
 Parameters = tuple[tuple[str, object], ...]
 
@@ -52,6 +57,28 @@ def register() -> None:
         HookRegistry.register(target, hook, HookType.AROUND)
         if target == SEND_TARGET:  # sends plan on the CPU backend: compile before the first
             cpu_backend.compile_kernels()
+        if target == PAGES_TARGET:  # pages convert on the GPU: compile once it is selected
+            HookRegistry.register(WARMUP_TARGET, warm_up_after_manager_init, HookType.AFTER)
+
+
+def warm_up_after_manager_init(result: None, *args: object, **kwargs: object) -> None:
+    """AFTER sglang builds its Mooncake KV manager: compile the kernels on this process's GPU.
+
+    sglang builds the manager in the scheduler process after it selected the
+    process's GPU and before it serves a request. A process that never
+    initialised CUDA has no GPU work for the planner and is left alone.
+    """
+    import torch
+
+    if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
+        return None
+    from gpu_planner import warmup
+
+    try:
+        warmup(torch.device("cuda", torch.cuda.current_device()))
+    except Exception as error:  # a failed warm-up must not stop sglang: kernels compile later
+        log_fallback_once(f"kernel warm-up failed ({error}); kernels compile on first use")
+    return None
 
 
 def hook_targets() -> dict[str, tuple[Callable, Parameters]]:
