@@ -17,6 +17,7 @@ columns, with the same session and the same exception-to--1 rule.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 import logging
 from collections.abc import Callable
@@ -103,6 +104,18 @@ def engine_send(wrapper: object) -> tuple[handoff.Path, handoff.EngineCall]:
     return handoff.ARRAYS, send
 
 
+@functools.lru_cache(maxsize=256)
+def _layout(
+    src_ptrs: tuple[int, ...],
+    dst_ptrs: tuple[int, ...],
+    item_lens: tuple[int, ...],
+    dst_is_device: tuple[bool, ...] | None,
+) -> gp.BufferLayout:
+    """The (validated, read-only) layout of these buffers: sglang sends to one peer's
+    buffers again and again, so each layout is built once."""
+    return gp.BufferLayout(src_ptrs, dst_ptrs, item_lens, dst_is_device=dst_is_device)
+
+
 def _uses_per_layer_futures(manager: conn.MooncakeKVManager) -> bool:
     """sglang submits one engine call per layer to the executor with a custom memory pool."""
     return manager.enable_custom_mem_pool and manager.custom_mem_pool_type != "INTRA_NODE_NVLINK"
@@ -144,17 +157,15 @@ def _plan(
     ]
     if not kept:
         return None
-    src_ptrs, dst_ptrs, item_lens = (
-        list(column) for column in zip(*(e for e, _ in kept), strict=True)
-    )
-    kept_is_device = [device for _, device in kept]
+    src_ptrs, dst_ptrs, item_lens = zip(*(entry for entry, _ in kept), strict=True)
+    kept_is_device = tuple(device for _, device in kept)
     if host_live:
         dst_pages = call.dst_data_indices
         device_pages = call.dst_device_data_indices if device_live else None
     else:
         # Every kept buffer is device-backed: plan them against the device pages.
         dst_pages, device_pages, kept_is_device = call.dst_device_data_indices, None, None
-    layout = gp.BufferLayout(src_ptrs, dst_ptrs, item_lens, dst_is_device=kept_is_device)
+    layout = _layout(src_ptrs, dst_ptrs, item_lens, kept_is_device)
     max_batch_pages = 0 if _uses_per_layer_futures(manager) else manager.max_transfer_batch_indices
     return gp.plan_transfer(
         src_pages,
