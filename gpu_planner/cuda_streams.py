@@ -44,7 +44,8 @@ def on_device(device: torch.device) -> Iterator[None]:
 
 def side_stream(device: torch.device) -> torch.cuda.Stream:
     """This process's side stream on `device` (created once), for reading finished plans."""
-    device = torch.device("cuda", torch.cuda._get_device_index(device, optional=True))
+    index = torch.cuda.current_device() if device.index is None else device.index
+    device = torch.device("cuda", index)
     with _side_streams_lock:
         if device not in _side_streams:
             _side_streams[device] = torch.cuda.Stream(device=device)

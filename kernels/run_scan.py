@@ -117,22 +117,23 @@ def _scan_block_counts_kernel(
 
 @triton.jit
 def _scatter_space_runs(
-    src,
-    prev_src,
-    next_src,
-    dst_ptr,
-    dst_stride,
-    page,
-    page_in_range,
+    src,  # int64 [BLOCK]: this block's source pages
+    prev_src,  # int64 [BLOCK]: the source page before each
+    next_src,  # int64 [BLOCK]: the source page after each
+    dst_ptr,  # int32/int64 [num_pages]: this space's destination pages
+    dst_stride,  # their element stride
+    page,  # int64 [BLOCK]: page positions of this block
+    page_in_range,  # [BLOCK]: page < num_pages
     num_pages,
-    batch_pages,
-    first_run,
-    page_starts_ptr,
+    batch_pages,  # pages per batch
+    first_run,  # runs of this space before this block
+    page_starts_ptr,  # out, int64 [capacity]: this space's row of each run table
     page_ends_ptr,
     src_starts_ptr,
     dst_starts_ptr,
-    batch_run_offsets_ptr,
+    batch_run_offsets_ptr,  # out, int64 [num_batches + 1]: this space's first run per batch
 ):
+    """Write the runs of one destination space that start or end in this block."""
     starts, dst = _run_start_flags(
         src, prev_src, dst_ptr, dst_stride, page, page_in_range, batch_pages
     )

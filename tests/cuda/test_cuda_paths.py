@@ -90,6 +90,15 @@ def test_two_threads_plan_at_once_each_on_its_own_stream():
             np.testing.assert_array_equal(planned, expected_columns(pages, layout))
 
 
+@needs_kernels
+def test_more_buffers_than_a_grid_column_holds_is_a_clear_error():
+    pages, _ = request(16, 1, seed=9)
+    too_many = 65536
+    layout = gp.BufferLayout([0] * too_many, [0] * too_many, [1] * too_many)
+    with pytest.raises(gp.PlanValidationError, match="65536 buffers"):
+        plan_on(DEVICE, pages, layout)
+
+
 @needs_cuda
 def test_plan_on_a_busy_side_stream_read_from_another_thread():
     """The reader's stream is idle; only the plan's event orders its read after the kernels."""
