@@ -9,10 +9,10 @@ own form) and `hand_off()` (the per-call Python lists Mooncake's
 from __future__ import annotations
 
 import inspect
+from contextlib import AbstractContextManager
 from typing import Any
 
 import numpy as np
-import nvtx
 import torch
 
 import gpu_planner as gp
@@ -24,7 +24,7 @@ Batch = tuple[list[int], list[int], list[int]]
 NVTX_DOMAIN = "gpu_planner_bench"
 
 
-def bench_range(name: str) -> nvtx.annotate:
+def bench_range(name: str) -> AbstractContextManager:
     """An NVTX range in the benchmark's domain, shown by `nsys profile -t nvtx`."""
     return nvtx_range(name, domain=NVTX_DOMAIN)
 

@@ -11,12 +11,21 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (the backend must be chosen first)
 
 STAGES = [("plan", "plan time (to descriptor arrays)"), ("hand_off", "hand-off time (to lists)")]
+SEND_PATH = ("send_path", "whole send path (into a real Mooncake engine)")
 
 
 def _series(results: list[dict[str, Any]], stage: str) -> dict[str, list[tuple[int, dict]]]:
-    """planner name -> [(descriptors, timing)] sorted by descriptors; the floor joins hand-off."""
+    """planner name -> [(descriptors, timing)] sorted by descriptors; the floor joins hand-off.
+
+    The send-path panel has sglang's send and the hooked one instead of planners.
+    """
     series: dict[str, list[tuple[int, dict]]] = {}
     for result in results:
+        if stage == SEND_PATH[0]:
+            for variant in ("sglang", "hooked"):
+                timing = result[stage][variant]
+                series.setdefault(f"{variant} send", []).append((result["num_descriptors"], timing))
+            continue
         for name, figures in result["planners"].items():
             series.setdefault(name, []).append((result["num_descriptors"], figures[stage]))
         if stage == "hand_off":
@@ -25,9 +34,13 @@ def _series(results: list[dict[str, Any]], stage: str) -> dict[str, list[tuple[i
 
 
 def write_plot(path: Path, results: list[dict[str, Any]], title: str) -> None:
-    """Log-log scatter with p10-p90 error bars, plan time left and hand-off time right."""
-    figure, axes = plt.subplots(1, len(STAGES), figsize=(13, 5), sharey=True)
-    for axis, (stage, stage_title) in zip(axes, STAGES, strict=True):
+    """Log-log scatter with p10-p90 error bars: plan time, hand-off time, and the whole
+    send path when the sweep timed it."""
+    panels = list(STAGES)
+    if results and all(result.get(SEND_PATH[0]) for result in results):
+        panels.append(SEND_PATH)
+    figure, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 5), sharey=True)
+    for axis, (stage, stage_title) in zip(axes, panels, strict=True):
         for name, points in _series(results, stage).items():
             descriptors = [max(count, 1) for count, _ in points]
             medians = [timing["median"] for _, timing in points]

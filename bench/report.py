@@ -11,7 +11,18 @@ from typing import Any
 
 import torch
 
-VERSIONED_PACKAGES = ["numpy", "torch", "triton", "sglang", "gpu-planner", "nvtx"]
+VERSIONED_PACKAGES = [
+    "numpy",
+    "torch",
+    "triton",
+    "numba",
+    "sglang",
+    "gpu-planner",
+    "nvtx",
+    "mooncake-transfer-engine-cuda13",
+    "mooncake-transfer-engine",
+    "mooncake-transfer-engine-non-cuda",
+]
 RECORDED_ENV = ["OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE", "TRITON_INTERPRET", "OMP_NUM_THREADS"]
 
 
@@ -92,6 +103,38 @@ def table_rows(case_result: dict[str, Any]) -> list[list[str]]:
     return rows
 
 
+SEND_COLUMNS = ["send path", "med [p10-p90]", "after other send", "GIL hold med / max", "speedup"]
+
+
+def send_path_rows(send: dict[str, Any]) -> list[list[str]]:
+    """sglang's send and the hooked one: times, longest GIL holds, the hooked speed-up."""
+    rows = []
+    for variant in ("sglang", "hooked"):
+        figures = send[variant]
+        hold = figures["gil_hold"]
+        speedup = "-"
+        if variant == "hooked":
+            speedup = f"{send['speedup']:.1f}x (after other {send['speedup_after_other']:.1f}x)"
+        rows.append(
+            [
+                variant,
+                _format_timing(figures),
+                _format_timing(figures["after_other"]),
+                f"{format_seconds(hold['median'])} / {format_seconds(hold['max'])}",
+                speedup,
+            ]
+        )
+    return rows
+
+
+def _aligned(header: list[str], rows: list[list[str]]) -> list[str]:
+    widths = [max(len(str(cell)) for cell in column) for column in zip(header, *rows, strict=True)]
+    return [
+        "  " + "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True))
+        for row in [header, *rows]
+    ]
+
+
 def format_table(results: list[dict[str, Any]]) -> str:
     """The whole sweep as a text table: a header line per case, then its planners."""
     rows = [row for result in results for row in table_rows(result)]
@@ -115,6 +158,13 @@ def format_table(results: list[dict[str, Any]]) -> str:
         )
         for row in table_rows(result):
             lines.append("  " + "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)))
+        send = result.get("send_path")
+        if send is not None:
+            lines.append(
+                f"  whole send path into a real Mooncake engine (refused peer, status "
+                f"{send['status']}), hooked hand-off: {send['handoff']}"
+            )
+            lines += _aligned(SEND_COLUMNS, send_path_rows(send))
     return "\n".join(lines)
 
 

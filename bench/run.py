@@ -2,7 +2,10 @@
 
 For every case it generates one set of pages, runs every planner on them, checks
 that all planners hand Mooncake identical descriptor lists, and times plan and
-hand-off. It prints a table, writes JSON and a PNG, and prints the target checks.
+hand-off. Where sglang and Mooncake import, it also times the whole send path
+(`bench.send_path`: sglang's send and the hooked one into a real engine, with
+the longest GIL hold). It prints a table, writes JSON and a PNG, and prints the
+target checks.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from bench.planners import (  # noqa: E402
 from bench.plot import write_plot  # noqa: E402
 from bench.progress import ProgressBar  # noqa: E402
 from bench.report import format_table, machine_info, write_json  # noqa: E402
+from bench.send_path import SendPathBench, send_path_available  # noqa: E402
 from bench.targets import evaluate_targets  # noqa: E402
 
 GRID_OPTIONS = {
@@ -58,6 +62,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         )
     parser.add_argument("--reference", choices=["auto", "sglang", "loop"], default="auto")
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    parser.add_argument(
+        "--send-path",
+        choices=["auto", "on", "off"],
+        default="auto",
+        help="time the whole send path into a real Mooncake engine (auto: when it imports)",
+    )
     parser.add_argument("--budget", type=float, default=0.5, help="seconds of samples per figure")
     parser.add_argument("--min-repeats", type=int, default=3)
     parser.add_argument("--max-repeats", type=int, default=200)
@@ -104,6 +114,7 @@ def run_case(
     policy: RepeatPolicy,
     seed: int,
     progress: ProgressBar,
+    send_path: SendPathBench | None = None,
 ) -> dict[str, Any]:
     """Time every planner on one generated input, interleaved, and compare their lists."""
     progress.show(f"{case.label} preparing")
@@ -135,6 +146,11 @@ def run_case(
         figures[planner.name] = {**own, **planner.extra_figures()}
     floor_timing = timings[_stage_key(floor.name, "hand_off")].as_dict()
     _ratios(figures, planners[0].name, floor_timing)
+    send_figures = None
+    if send_path is not None:
+        progress.show(f"{case.label} timing the send path")
+        send_path.prepare(bench_input)
+        send_figures = send_path.measure(policy)
     progress.advance()
     return {
         "case": dataclasses.asdict(case),
@@ -146,7 +162,21 @@ def run_case(
         "reference": planners[0].name,
         "planners": figures,
         "floor": floor_timing,
+        "send_path": send_figures,
     }
+
+
+def make_send_path(choice: str) -> SendPathBench | None:
+    """The send-path bench when asked for (`on`) or possible (`auto`), else None."""
+    if choice == "off":
+        return None
+    missing = send_path_available()
+    if missing is None:
+        return SendPathBench()
+    if choice == "on":
+        raise SystemExit(f"--send-path on: sglang or Mooncake does not import ({missing})")
+    print(f"send path not timed: {missing}", file=sys.stderr)
+    return None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -156,9 +186,10 @@ def main(argv: list[str] | None = None) -> int:
     policy = RepeatPolicy(args.budget, max(args.min_repeats, 1), args.max_repeats)
     started = time.perf_counter()
     planners = make_planners(args.reference, with_cuda=with_cuda)
+    send_path = make_send_path(args.send_path)
     setup_s = time.perf_counter() - started
     progress = ProgressBar(len(cases))
-    results = [run_case(case, planners, policy, args.seed, progress) for case in cases]
+    results = [run_case(case, planners, policy, args.seed, progress, send_path) for case in cases]
     progress.close()
     duration_s = time.perf_counter() - started
     checks = evaluate_targets(results)
@@ -169,6 +200,7 @@ def main(argv: list[str] | None = None) -> int:
             **{key: str(value) for key, value in vars(args).items()},
             "with_cuda": with_cuda,
             "planners": [planner.name for planner in planners],
+            "send_path": send_path is not None,
         },
         "setup_s": setup_s,
         "duration_s": duration_s,

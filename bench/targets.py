@@ -15,6 +15,8 @@ HAND_OFF_OVER_FLOOR = 1.2
 GPU_PLAN_S = 30e-6
 GPU_WALL_S = 150e-6
 TRITON_OVER_CPU_PAGE_1 = 3.0
+SEND_PATH_SPEEDUP = {64: 25.0, 1: 50.0}
+SEND_PATH_GIL_HOLD_S = 1.5e-3
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,6 +57,32 @@ def _cpu_checks(result: dict[str, Any], page_size: int) -> list[TargetCheck]:
             f"{cpu['hand_off_over_floor']:.2f}x",
         ),
     ]
+
+
+def _send_path_checks(result: dict[str, Any], page_size: int) -> list[TargetCheck]:
+    """The hooked send >= the target speed-up over sglang's; at page 64 its typical longest
+    GIL hold (median over calls) <= SEND_PATH_GIL_HOLD_S."""
+    send = result.get("send_path")
+    if send is None:
+        return []
+    target = SEND_PATH_SPEEDUP[page_size]
+    checks = [
+        TargetCheck(
+            f"page {page_size}: whole send path >= {target:g}x sglang's",
+            send["speedup"] >= target,
+            f"{send['speedup']:.1f}x (after the other send {send['speedup_after_other']:.1f}x)",
+        )
+    ]
+    if page_size == 64:
+        hold = send["hooked"]["gil_hold"]
+        checks.append(
+            TargetCheck(
+                f"page 64: hooked send's longest GIL hold <= {SEND_PATH_GIL_HOLD_S * 1e3:g} ms",
+                hold["median"] <= SEND_PATH_GIL_HOLD_S,
+                f"median {hold['median'] * 1e3:.2f} ms, max {hold['max'] * 1e3:.2f} ms",
+            )
+        )
+    return checks
 
 
 def _triton_checks(
@@ -105,7 +133,7 @@ def evaluate_targets(results: list[dict[str, Any]]) -> list[TargetCheck]:
     checks = []
     for result, page_size in ((at_target, 64), (at_page_1, 1)):
         if result is not None:
-            checks += _cpu_checks(result, page_size)
+            checks += _cpu_checks(result, page_size) + _send_path_checks(result, page_size)
     if at_target is not None and TRITON in at_target["planners"]:
         checks += _triton_checks(at_target, at_page_1)
     return checks
