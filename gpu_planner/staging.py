@@ -10,8 +10,9 @@ The give-back runs in a `weakref.finalize` callback, so at any point of any
 thread, including inside a garbage collection while the pool's lock is held:
 it only appends to a deque (atomic, no lock, no wait). The lock-holding
 `take` drains that deque. Free blocks are kept up to `max_retained_bytes`;
-beyond it the least recently used are unpinned and released first, so a few
-huge plans do not keep their blocks pinned for ever.
+beyond it the least recently used are unpinned and released first (by the
+next `take`, outside the lock, under the device they were pinned on), so a
+few huge plans do not keep their blocks pinned for ever.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ class Block:
 
     array: np.ndarray  # uint8 [nbytes]
     tensor: torch.Tensor  # uint8 [nbytes], same memory
+    cuda_device: int | None = None  # the device it was pinned under (None: not pinned)
 
     @property
     def nbytes(self) -> int:
@@ -47,21 +49,23 @@ class Block:
 
 
 def allocate_pinned_block(nbytes: int) -> Block:
-    """Page-aligned anonymous memory, page-locked with `cudaHostRegister`.
+    """Page-aligned anonymous memory, page-locked with `cudaHostRegister` (portable).
 
     Not torch's caching host allocator: a block this pool releases is really
-    unpinned, instead of staying pinned in torch's cache.
+    unpinned, instead of staying pinned in torch's cache. Call it with the
+    copy's device current, so no other device gets a CUDA context.
     """
     array = np.frombuffer(mmap.mmap(-1, nbytes), dtype=np.uint8)
     error = int(torch.cuda.cudart().cudaHostRegister(array.ctypes.data, nbytes, _PORTABLE))
     if error != 0:
         raise RuntimeError(f"cudaHostRegister of {nbytes} bytes failed (error {error})")
-    return Block(array, torch.from_numpy(array))
+    return Block(array, torch.from_numpy(array), torch.cuda.current_device())
 
 
 def release_pinned_block(block: Block) -> None:
     """Unpin a block of `allocate_pinned_block`; its memory goes with its last reference."""
-    torch.cuda.cudart().cudaHostUnregister(block.array.ctypes.data)
+    with torch.cuda.device(block.cuda_device):
+        torch.cuda.cudart().cudaHostUnregister(block.array.ctypes.data)
 
 
 def _block_bytes(nbytes: int) -> int:
@@ -95,8 +99,11 @@ class PinnedStaging:
     def retained_bytes(self) -> int:
         """Bytes held in free blocks (after the blocks returned so far are taken in)."""
         with self._lock:
-            self._collect_returned()
-            return sum(block.nbytes for block in self._free)
+            evicted = self._collect_returned()
+            retained = sum(block.nbytes for block in self._free)
+        for old in evicted:
+            self._release(old)
+        return retained
 
     def copy_to_host_async(
         self, sources: Sequence[torch.Tensor], stream: torch.cuda.Stream | None = None
@@ -111,10 +118,10 @@ class PinnedStaging:
         offsets = [0]
         for nbytes in sizes:
             offsets.append(offsets[-1] + -(-nbytes // ALIGN_BYTES) * ALIGN_BYTES)
-        block = self.take(offsets[-1])
-        block_array = block.array[:]  # this copy's view: its death returns the block
         hosts = []
         with torch.cuda.device(device):
+            block = self.take(offsets[-1])
+            block_array = block.array[:]  # this copy's view: its death returns the block
             stream = torch.cuda.current_stream() if stream is None else stream
             with torch.cuda.stream(stream):
                 for source, offset, nbytes in zip(sources, offsets[:-1], sizes, strict=True):
@@ -137,16 +144,20 @@ class PinnedStaging:
     def take(self, nbytes: int) -> Block:
         """The smallest free block of at least `nbytes` whose last copy is done, or a new one."""
         with self._lock:
-            self._collect_returned()
+            evicted = self._collect_returned()
             fitting = [block for block in self._free if block.nbytes >= nbytes]
-            if fitting:
-                block = min(fitting, key=lambda block: block.nbytes)
+            block = min(fitting, key=lambda block: block.nbytes) if fitting else None
+            if block is not None:
                 self._free.remove(block)
-                return block
-        return self._allocate(_block_bytes(nbytes))
+        for old in evicted:  # unpinned outside the lock
+            self._release(old)
+        return self._allocate(_block_bytes(nbytes)) if block is None else block
 
-    def _collect_returned(self) -> None:
-        """Move returned blocks whose copy is done to the free list, then apply the byte cap."""
+    def _collect_returned(self) -> list[Block]:
+        """Move returned blocks whose copy is done to the free list; return those over the cap.
+
+        The least recently used free blocks go first, until the rest fit the cap.
+        """
         while self._returned:
             self._in_flight.append(self._returned.popleft())
         still_in_flight = []
@@ -157,10 +168,11 @@ class PinnedStaging:
                 still_in_flight.append((block, ready))
         self._in_flight = still_in_flight
         retained = sum(block.nbytes for block in self._free)
+        evicted = []
         while retained > self.max_retained_bytes:
-            evicted = self._free.pop(0)
-            retained -= evicted.nbytes
-            self._release(evicted)
+            evicted.append(self._free.pop(0))
+            retained -= evicted[-1].nbytes
+        return evicted
 
 
 _staging = PinnedStaging()
