@@ -87,7 +87,8 @@ def read_device_counts(
     """
     from gpu_planner.kernels.status import NUM_SLOTS
 
-    metadata = copy_to_host(runs.metadata, stream).numpy()
+    # Copied out of the pinned block, so the block is free for the next read at once.
+    metadata = copy_to_host(runs.metadata, stream).numpy().copy()
     raise_recorded_negative_page(metadata[:NUM_SLOTS])
     return metadata[:NUM_SLOTS], list(metadata[NUM_SLOTS:].reshape(runs.num_spaces, -1))
 
