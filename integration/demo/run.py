@@ -38,7 +38,7 @@ from gpu_planner.integration.demo.sides import (
     plan_request,
     submit,
 )
-from gpu_planner.integration.mooncake import MooncakeReader, MooncakeSender
+from gpu_planner.integration.mooncake import MooncakeReader, MooncakeSender, handoff
 
 
 @dataclass
@@ -53,6 +53,7 @@ class DemoReport:
     total_bytes: int = 0
     plan_s: float = 0.0
     submit_s: float = 0.0
+    handoff: str = "-"
     verification: Verification | None = None
     errors: list[str] = field(default_factory=list)
 
@@ -79,9 +80,15 @@ def run_push(prefill: PrefillSide, report: DemoReport) -> None:
         )
         layout = pair_layout(prefill.registration(), registration)
         planned = plan_request(
-            config, layout, prefill.src_pages, request.host_pages, request.device_pages
+            config,
+            layout,
+            prefill.src_pages,
+            request.host_pages,
+            request.device_pages,
+            handoff.handoff_path(prefill.engine, "write"),
         )
         report.descriptors, report.total_bytes = planned.descriptors, planned.total_bytes
+        report.handoff = planned.handoff
         report.plan_s = planned.plan_s
         report.submit_s = submit(
             config, MooncakeSender, prefill.engine, request.session_id, planned
@@ -111,8 +118,16 @@ def run_pull(decode: DecodeSide, report: DemoReport) -> None:
             config, source.pages, host.host, host.device if decode.has_device_buffers else None
         )
         layout = pair_layout(registration, decode.registration())
-        planned = plan_request(config, layout, source.pages, pages.host, device_pages)
+        planned = plan_request(
+            config,
+            layout,
+            source.pages,
+            pages.host,
+            device_pages,
+            handoff.handoff_path(decode.engine, "read"),
+        )
         report.descriptors, report.total_bytes = planned.descriptors, planned.total_bytes
+        report.handoff = planned.handoff
         report.plan_s = planned.plan_s
         report.submit_s = submit(
             config, MooncakeReader, decode.engine, registration.session_id, planned
@@ -166,6 +181,12 @@ def run_demo(config: DemoConfig) -> DemoReport:
     return report
 
 
+def _mooncake_version() -> str:
+    from gpu_planner.integration.info import mooncake_distributions
+
+    return ", ".join(mooncake_distributions()) or "Mooncake not installed"
+
+
 def format_report(report: DemoReport) -> str:
     """The demo's result table."""
     config = report.config
@@ -187,6 +208,7 @@ def format_report(report: DemoReport) -> str:
         ("runs host / device", f"{report.host_runs} / {report.device_runs}"),
         ("descriptors", f"{report.descriptors} (max {config.max_batch_pages} pages per batch)"),
         ("plan time", f"{report.plan_s * 1e3:.2f} ms"),
+        ("Mooncake hand-off", f"{report.handoff} ({_mooncake_version()})"),
         ("submit time", f"{report.submit_s * 1e3:.2f} ms"),
         ("bytes", f"{report.total_bytes} ({report.total_bytes / 2**20:.1f} MiB)"),
         ("throughput", f"{rate:.3f} GB/s"),

@@ -29,6 +29,7 @@ from gpu_planner.integration.demo.buffers import (
 from gpu_planner.integration.demo.config import LOCALHOST, DemoConfig, index_device
 from gpu_planner.integration.mooncake import (
     MooncakeTransfer,
+    handoff,
     register_buffer,
     session_id,
     start_engine,
@@ -254,9 +255,10 @@ def pair_layout(source: KVRegistration, destination: KVRegistration) -> gp.Buffe
 
 @dataclasses.dataclass
 class Planned:
-    """A planned request: engine-ready work, its size, and how long planning took."""
+    """A planned request: engine-ready work (in `handoff`'s form), its size, its planning time."""
 
     work: list
+    handoff: handoff.Path
     descriptors: int
     total_bytes: int
     plan_s: float
@@ -270,13 +272,19 @@ def _index_pages(pages: PageArray | None) -> torch.Tensor | None:
     return None if pages is None else torch.as_tensor(pages, device=index_device())
 
 
-def _gpu_planner_work(config: DemoConfig, layout: gp.BufferLayout, src, dst, dst_device) -> list:
+def _gpu_planner_work(
+    config: DemoConfig, layout: gp.BufferLayout, path: handoff.Path, src, dst, dst_device
+) -> list:
     src, dst, dst_device = (_index_pages(pages) for pages in (src, dst, dst_device))
     plan = gp.plan_transfer(src, dst, layout, dst_device, max_batch_pages=config.max_batch_pages)
-    return list(plan.buffer_batches() if config.buffer_workers else plan.batches())
+    if config.buffer_workers:
+        return list(handoff.buffer_batches(plan, path))
+    return list(handoff.batches(plan, path))
 
 
-def _reference_work(config: DemoConfig, layout: gp.BufferLayout, src, dst, dst_device) -> list:
+def _reference_work(
+    config: DemoConfig, layout: gp.BufferLayout, path: handoff.Path, src, dst, dst_device
+) -> list:
     return gp.reference.plan_batches(
         _host_pages(src),
         _host_pages(dst),
@@ -295,17 +303,25 @@ def plan_request(
     src_pages: PageArray,
     dst_pages: PageArray,
     dst_device_pages: PageArray | None,
+    handoff_path: handoff.Path,
 ) -> Planned:
-    """Plan with the configured planner, up to the engine's Python lists (timed, warm)."""
+    """Plan with the configured planner, up to what the engine takes (timed, warm).
+
+    gpu_planner's work takes `handoff_path`'s form (descriptor arrays for a
+    Mooncake that takes them); the reference loop builds lists.
+    """
     plan_work = _gpu_planner_work if config.planner == "gpu" else _reference_work
-    inputs = (src_pages, dst_pages, dst_device_pages)
+    if config.planner != "gpu":
+        handoff_path = handoff.LISTS
+    inputs = (handoff_path, src_pages, dst_pages, dst_device_pages)
     plan_work(config, layout, *inputs)  # warm-up: JIT compilation is not a per-request cost
     start = time.perf_counter()
     with nvtx_range("demo/plan"):
         work = plan_work(config, layout, *inputs)
     plan_s = time.perf_counter() - start
     lens = [item[-1] for item in work]
-    return Planned(work, sum(map(len, lens)), sum(map(sum, lens)), plan_s)
+    total_bytes = sum(map(handoff.column_total, lens))
+    return Planned(work, handoff_path, sum(map(len, lens)), total_bytes, plan_s)
 
 
 def submit(
@@ -316,7 +332,11 @@ def submit(
     Uses the configured buffer workers and `timeout_s` per batch; raises `TransferError`.
     """
     with transfer(
-        engine, peer, buffer_workers=config.buffer_workers, batch_timeout_s=config.timeout_s
+        engine,
+        peer,
+        buffer_workers=config.buffer_workers,
+        batch_timeout_s=config.timeout_s,
+        handoff_path=planned.handoff,
     ) as submitter:
         start = time.perf_counter()
         if config.buffer_workers:

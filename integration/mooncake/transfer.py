@@ -24,16 +24,16 @@ default): status -1, after part of the batch may already have been written
 
 from __future__ import annotations
 
-import abc
 import concurrent.futures
 from collections.abc import Iterable
 from itertools import groupby
 from operator import attrgetter
 
+from gpu_planner.integration.mooncake import handoff
 from gpu_planner.plan import BufferBatch, TransferPlan
 from gpu_planner.profiling import nvtx_range
 
-Batch = tuple[list[int], list[int], list[int]]
+Batch = tuple[handoff.Column, handoff.Column, handoff.Column]
 
 
 class TransferError(RuntimeError):
@@ -49,7 +49,7 @@ class TransferTimeoutError(TransferError):
     """A Mooncake batch did not complete within the sender's `batch_timeout_s`."""
 
 
-class MooncakeTransfer(abc.ABC):
+class MooncakeTransfer:
     """Submits a plan's batches between the local engine and a peer; stops at the first failure.
 
     `MooncakeSender` writes and `MooncakeReader` reads; both share this loop
@@ -57,10 +57,13 @@ class MooncakeTransfer(abc.ABC):
     call per buffer through a thread pool of that size (sglang's
     custom-memory-pool path); the batch completes when all its buffers have.
     `batch_timeout_s=None` waits without bound (and submits from the calling
-    thread when there are no buffer workers).
+    thread when there are no buffer workers). Batches reach Mooncake through
+    `handoff`: descriptor arrays when the engine takes them, else lists
+    (`handoff_path`, detected from the engine unless given).
     """
 
     operation = "transfer with"  # how error messages name the direction
+    direction: handoff.Direction
 
     def __init__(
         self,
@@ -69,6 +72,7 @@ class MooncakeTransfer(abc.ABC):
         *,
         buffer_workers: int = 0,
         batch_timeout_s: float | None = 60.0,
+        handoff_path: handoff.Path | None = None,
     ) -> None:
         if buffer_workers < 0:
             raise ValueError(f"buffer_workers: must be >= 0, got {buffer_workers}")
@@ -78,6 +82,8 @@ class MooncakeTransfer(abc.ABC):
         self.peer = peer_session_id
         self.buffer_workers = buffer_workers
         self.batch_timeout_s = batch_timeout_s
+        self.handoff_path = handoff_path or handoff.handoff_path(engine, self.direction)
+        self._engine_call = handoff.engine_call(engine, self.direction, self.handoff_path)
         self._pool = self._new_pool() if buffer_workers or batch_timeout_s is not None else None
 
     def __enter__(self):
@@ -100,11 +106,14 @@ class MooncakeTransfer(abc.ABC):
     def submit(self, plan: TransferPlan) -> int:
         """Submit every batch of `plan`; return the bytes moved. Raises `TransferError`."""
         if self.buffer_workers:
-            return self.submit_buffer_batches(plan.buffer_batches())
-        return self.submit_batches(plan.batches())
+            return self.submit_buffer_batches(handoff.buffer_batches(plan, self.handoff_path))
+        return self.submit_batches(handoff.batches(plan, self.handoff_path))
 
     def submit_batches(self, batches: Iterable[Batch]) -> int:
-        """Submit precomputed (srcs, dsts, lens) batches, one Mooncake call each, in order."""
+        """Submit precomputed (srcs, dsts, lens) batches, one Mooncake call each, in order.
+
+        They must have `handoff_path`'s form (`handoff.batches(plan, path)`).
+        """
         return self._submit_groups(
             [BufferBatch(index, -1, *batch)] for index, batch in enumerate(batches)
         )
@@ -123,7 +132,7 @@ class MooncakeTransfer(abc.ABC):
         confirmed = 0
         with nvtx_range(f"{type(self).__name__}/submit"):
             for index, pieces in enumerate(groups):
-                nbytes = sum(sum(piece.lens) for piece in pieces)
+                nbytes = sum(handoff.column_total(piece.lens) for piece in pieces)
                 with nvtx_range(f"{type(self).__name__}/batch {index}"):
                     status = self._submit_group(pieces, index, confirmed)
                 if status != 0:
@@ -160,25 +169,20 @@ class MooncakeTransfer(abc.ABC):
             )
         return next((status for status in (f.result() for f in futures) if status != 0), 0)
 
-    @abc.abstractmethod
-    def _call(self, srcs: list[int], dsts: list[int], lens: list[int]) -> int:
+    def _call(self, srcs: handoff.Column, dsts: handoff.Column, lens: handoff.Column) -> int:
         """One Mooncake call for (srcs, dsts, lens) in the plan's convention; its status."""
+        return self._engine_call(self.peer, srcs, dsts, lens)
 
 
 class MooncakeSender(MooncakeTransfer):
     """Push: writes the plan's sources (local memory) into its destinations (the peer's)."""
 
     operation = "write to"
-
-    def _call(self, srcs: list[int], dsts: list[int], lens: list[int]) -> int:
-        return self.engine.batch_transfer_sync_write(self.peer, srcs, dsts, lens)
+    direction = "write"
 
 
 class MooncakeReader(MooncakeTransfer):
     """Pull: reads the plan's sources (the peer's memory) into its destinations (local)."""
 
     operation = "read from"
-
-    def _call(self, srcs: list[int], dsts: list[int], lens: list[int]) -> int:
-        # Mooncake's read takes the local buffers first, then the peer's addresses.
-        return self.engine.batch_transfer_sync_read(self.peer, dsts, srcs, lens)
+    direction = "read"

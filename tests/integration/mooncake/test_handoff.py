@@ -1,0 +1,177 @@
+"""The hand-off: descriptor arrays to a Mooncake 0.3.14 engine, lists when forced or unsupported.
+
+Two real processes with real 0.3.14 engines move a request in push
+(`MooncakeSender`) and pull (`MooncakeReader`) through the arrays path and,
+on the same engine with GPU_PLANNER_HANDOFF=lists, the list path; every byte
+is verified. A pass-through spy records which Mooncake method took each call
+and what it was given.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+from mooncake_demo_support import decode_peer, prefill_peer, small_config
+
+import gpu_planner as gp
+from gpu_planner.integration.mooncake import MooncakeReader, MooncakeSender, handoff
+
+
+class SpyEngine:
+    """A real Mooncake engine: passes calls through, recording the method and argument types."""
+
+    def __init__(self, engine) -> None:
+        self.engine = engine
+        self.calls: list[tuple[str, tuple[type, ...]]] = []
+
+    def _pass(self, method: str, peer: str, *columns) -> int:
+        self.calls.append((method, tuple(type(column) for column in columns)))
+        for column in columns:
+            if isinstance(column, np.ndarray):
+                assert column.dtype == np.int64 and column.flags.c_contiguous
+        return getattr(self.engine, method)(peer, *columns)
+
+    def batch_transfer_sync_write(self, peer, *columns) -> int:
+        return self._pass("batch_transfer_sync_write", peer, *columns)
+
+    def batch_transfer_sync_read(self, peer, *columns) -> int:
+        return self._pass("batch_transfer_sync_read", peer, *columns)
+
+    def batch_transfer_sync_write_arrays(self, peer, *columns) -> int:
+        return self._pass("batch_transfer_sync_write_arrays", peer, *columns)
+
+    def batch_transfer_sync_read_arrays(self, peer, *columns) -> int:
+        return self._pass("batch_transfer_sync_read_arrays", peer, *columns)
+
+
+def expected_calls(path: str, direction: str, count: int) -> list[tuple[str, tuple[type, ...]]]:
+    suffix = "_arrays" if path == handoff.ARRAYS else ""
+    column = np.ndarray if path == handoff.ARRAYS else list
+    return [(f"batch_transfer_sync_{direction}{suffix}", (column,) * 3)] * count
+
+
+@pytest.fixture(params=[handoff.ARRAYS, handoff.LISTS])
+def path(request, monkeypatch) -> str:
+    """The hand-off under test; the list path is forced through the environment variable."""
+    if request.param == handoff.LISTS:
+        monkeypatch.setenv(handoff.HANDOFF_ENV, "lists")
+    else:
+        monkeypatch.delenv(handoff.HANDOFF_ENV, raising=False)
+    return request.param
+
+
+@pytest.mark.parametrize("buffer_workers", [0, 3])
+def test_push_moves_every_byte(path: str, buffer_workers: int):
+    with decode_peer(small_config()) as peer:
+        assert hasattr(peer.engine, "batch_transfer_sync_write_arrays"), "test env needs 0.3.14"
+        plan = peer.plan_request(max_batch_pages=7)
+        engine = SpyEngine(peer.engine)
+        with MooncakeSender(engine, peer.session_id, buffer_workers=buffer_workers) as sender:
+            assert sender.handoff_path == path
+            assert sender.submit(plan) == plan.total_bytes
+        calls = len(list(plan.buffer_batches() if buffer_workers else plan.batches()))
+        assert calls > 1
+        assert engine.calls == expected_calls(path, "write", calls)
+        verification = peer.prefill.finish(peer.request)
+    assert verification.ok, verification
+
+
+def test_pull_moves_every_byte(path: str):
+    with prefill_peer(small_config()) as peer:
+        plan = peer.plan_request(max_batch_pages=7)
+        engine = SpyEngine(peer.engine)
+        with MooncakeReader(engine, peer.session_id) as reader:
+            assert reader.handoff_path == path
+            assert reader.submit(plan) == plan.total_bytes
+        assert engine.calls == expected_calls(path, "read", len(list(plan.batches())))
+        verification = peer.decode.verify(peer.source.pages)
+    assert verification.ok, verification
+
+
+def test_real_engine_paths(monkeypatch):
+    from mooncake.engine import TransferEngine
+
+    monkeypatch.delenv(handoff.HANDOFF_ENV, raising=False)
+    assert handoff.engine_type_path(TransferEngine, "write") == handoff.ARRAYS
+    assert handoff.engine_type_path(TransferEngine, "read") == handoff.ARRAYS
+    monkeypatch.setenv(handoff.HANDOFF_ENV, "lists")
+    assert handoff.engine_type_path(TransferEngine, "read") == handoff.LISTS
+
+
+# The hand-off's plan views and argument order, without an engine.
+
+
+class ListsOnly:
+    def __init__(self) -> None:
+        self.calls: list[tuple] = []
+
+    def batch_transfer_sync_write(self, *args) -> int:
+        self.calls.append(("write", *args))
+        return 0
+
+    def batch_transfer_sync_read(self, *args) -> int:
+        self.calls.append(("read", *args))
+        return 0
+
+
+class WithArrays(ListsOnly):
+    def batch_transfer_sync_write_arrays(self, *args) -> int:
+        self.calls.append(("write_arrays", *args))
+        return 0
+
+    def batch_transfer_sync_read_arrays(self, *args) -> int:
+        self.calls.append(("read_arrays", *args))
+        return 0
+
+
+def small_plan(max_batch_pages: int = 3) -> gp.TransferPlan:
+    pages = np.array([0, 1, 2, 5, 6, 9, 3, 4])
+    layout = gp.BufferLayout(
+        [1 << 20, 2 << 20, 3 << 20], [5 << 20, 6 << 20, 7 << 20], [64, 64, 128]
+    )
+    return gp.plan_transfer(pages, pages[::-1].copy(), layout, max_batch_pages=max_batch_pages)
+
+
+def test_array_views_hold_the_list_descriptors():
+    plan = small_plan()
+    views = list(plan.batch_columns())
+    assert [[column.tolist() for column in batch] for batch in views] == [
+        list(batch) for batch in plan.batches()
+    ]
+    columns = plan.columns_array()
+    for batch in views:
+        for column in batch:
+            assert column.dtype == np.int64 and column.flags.c_contiguous
+            assert np.shares_memory(column, columns)  # a view: nothing copied
+    pieces = list(plan.buffer_batch_columns())
+    assert [
+        (p.batch, p.buffer, p.srcs.tolist(), p.dsts.tolist(), p.lens.tolist()) for p in pieces
+    ] == [tuple(piece) for piece in plan.buffer_batches()]
+    assert all(np.shares_memory(piece.srcs, columns) for piece in pieces)
+
+
+@pytest.mark.parametrize(("engine_type", "path"), [(WithArrays, "arrays"), (ListsOnly, "lists")])
+def test_submit_passes_reads_local_side_first(monkeypatch, engine_type, path):
+    monkeypatch.delenv(handoff.HANDOFF_ENV, raising=False)
+    plan = small_plan()
+    engine = engine_type()
+    with MooncakeReader(engine, "peer", batch_timeout_s=None) as reader:
+        assert reader.submit(plan) == plan.total_bytes
+    method = "read_arrays" if path == "arrays" else "read"
+    expected = [(method, "peer", dsts, srcs, lens) for srcs, dsts, lens in plan.batches()]
+    assert [(m, p, list(a), list(b), list(c)) for m, p, a, b, c in engine.calls] == expected
+
+
+def test_path_is_logged_once_per_engine_class(monkeypatch, caplog):
+    monkeypatch.delenv(handoff.HANDOFF_ENV, raising=False)
+
+    class FreshEngine(WithArrays):  # a class no other test has logged
+        pass
+
+    with caplog.at_level(logging.INFO, logger=handoff.logger.name):
+        for _ in range(3):
+            MooncakeSender(FreshEngine(), "peer", batch_timeout_s=None).close()
+    [record] = [r for r in caplog.records if "FreshEngine" in r.getMessage()]
+    assert "write hand-off through arrays" in record.getMessage()
