@@ -25,7 +25,7 @@ in_system() { ldconfig -p | grep -q "^[[:space:]]*$1 "; }
 
 if [ -n "$cudart" ] && ! in_system "$cudart" && [ ! -e "$pkg/$cudart" ]; then
   site="$(dirname "$pkg")"
-  found="$(find "$site/nvidia" -name "$cudart" 2>/dev/null | head -1)"
+  found="$(find "$site/nvidia/" -name "$cudart" 2>/dev/null | head -1)"
   if [ -z "$found" ]; then
     echo "mooncake_loader: $cudart not found (install nvidia-cuda-runtime for it)" >&2
     exit 1
