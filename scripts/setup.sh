@@ -12,6 +12,8 @@ need_debs=()
 for deb in libibverbs1 ibverbs-providers librdmacm1 libnuma1 libcurl4; do
   dpkg -s "$deb" >/dev/null 2>&1 || need_debs+=("$deb")
 done
+# scripts/mooncake_loader.sh reads engine.so (readelf, nm) and may compile a stub driver.
+command -v cc >/dev/null 2>&1 && command -v readelf >/dev/null 2>&1 || need_debs+=(gcc binutils)
 if ((${#need_debs[@]})); then
   sudo_cmd=""
   [ "$(id -u)" -eq 0 ] || sudo_cmd="sudo"
