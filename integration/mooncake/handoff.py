@@ -49,13 +49,13 @@ def _engine_has_arrays(engine_type: type, direction: Direction) -> bool:
 
 @functools.cache
 def _log_path_once(engine_type: type, direction: Direction, path: Path) -> None:
-    reason = (
-        f"{HANDOFF_ENV}=lists"
-        if path == LISTS and _engine_has_arrays(engine_type, direction)
-        else "the engine has batch_transfer_sync_*_arrays"
-        if path == ARRAYS
-        else "the engine has no *_arrays methods (Mooncake < 0.3.14)"
-    )
+    """Log, once per engine class, direction and path, which hand-off it gets and why."""
+    if path == ARRAYS:
+        reason = "the engine has batch_transfer_sync_*_arrays"
+    elif _engine_has_arrays(engine_type, direction):
+        reason = f"{HANDOFF_ENV}=lists"
+    else:
+        reason = "the engine has no *_arrays methods (Mooncake < 0.3.14)"
     logger.info(
         "gpu_planner: Mooncake %s hand-off through %s (%s.%s: %s)",
         direction,
