@@ -24,7 +24,6 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-import gpu_planner as gp
 from gpu_planner.integration.demo.buffers import Verification
 from gpu_planner.integration.demo.config import DemoConfig, index_device
 from gpu_planner.integration.demo.sides import (
@@ -93,7 +92,7 @@ def run_push(prefill: PrefillSide, report: DemoReport) -> None:
         report.submit_s = submit(
             config, MooncakeSender, prefill.engine, request.session_id, planned
         )
-    except (gp.PlanValidationError, RuntimeError) as error:
+    except Exception as error:  # whatever failed, decode hears of it and ends
         failure = _failure(error, report)
     report.verification = prefill.finish(request, failure)
 
@@ -132,7 +131,7 @@ def run_pull(decode: DecodeSide, report: DemoReport) -> None:
         report.submit_s = submit(
             config, MooncakeReader, decode.engine, registration.session_id, planned
         )
-    except (gp.PlanValidationError, RuntimeError) as error:
+    except Exception as error:  # whatever failed, prefill hears of it and ends
         failure = _failure(error, report)
     report.verification = decode.verify(source.pages if failure is None else np.empty(0, np.int64))
     outcome = [DONE, b""] if failure is None else [FAILED, failure.encode()]
@@ -169,7 +168,7 @@ def run_demo(config: DemoConfig) -> DemoReport:
         peer = side.spawn_peer(mode.peer)
         try:
             mode.run(side, report)
-        except (RuntimeError, TimeoutError) as error:
+        except Exception as error:  # reported; the peer is joined (or killed) below
             _failure(error, report)
         finally:
             peer.join(config.timeout_s)

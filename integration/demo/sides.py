@@ -34,7 +34,7 @@ from gpu_planner.integration.mooncake import (
     session_id,
     start_engine,
 )
-from gpu_planner.integration.mooncake.engine import apply_environment, tcp_queue_env
+from gpu_planner.integration.mooncake.engine import tcp_queue_capacity, tcp_queue_env
 from gpu_planner.integration.sglang.frames import (
     KVRegistration,
     SourcePages,
@@ -45,6 +45,10 @@ from gpu_planner.profiling import nvtx_range
 from gpu_planner.testing import fragmented_pages
 
 DONE, FAILED, VERIFIED = b"done", b"failed", b"verified"
+# Mooncake's largest TCP queue: sglang-sized batches exceed the default one. The demo's
+# engines start with it, and its submitters cut calls at it.
+ENGINE_ENVIRONMENT = tcp_queue_env()
+CALL_LIMIT = tcp_queue_capacity(ENGINE_ENVIRONMENT)
 ROOM = 1
 _POLL_S = 0.1
 
@@ -65,8 +69,7 @@ class Side:
     ) -> None:
         self.config = config
         self.is_device = is_device
-        apply_environment(tcp_queue_env())  # sglang-sized batches exceed the default queue
-        self.engine = start_engine(LOCALHOST)
+        self.engine = start_engine(LOCALHOST, environment=ENGINE_ENVIRONMENT)
         self.buffers = [
             KVBuffer(side, index, pages, config.item_len) for index, pages in enumerate(pool_pages)
         ]
@@ -336,6 +339,7 @@ def submit(
         peer,
         buffer_workers=config.buffer_workers,
         batch_timeout_s=config.timeout_s,
+        max_call_descriptors=CALL_LIMIT,
         handoff_path=planned.handoff,
     ) as submitter:
         start = time.perf_counter()

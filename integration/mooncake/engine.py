@@ -7,21 +7,50 @@ runs RDMA with its own metadata service and NIC names.
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator, Mapping
 
 P2P_HANDSHAKE = "P2PHANDSHAKE"
+# Mooncake's TCP transport (0.3.13, 0.3.14: tcp_transport.cpp) queues at most this many
+# descriptors per peer, parks up to 1024 more for MC_TCP_ADMISSION_TIMEOUT_MS (1 s) and fails
+# the call for the rest; values that are not digits or lie outside [1, 65535] fall back to 1024.
 TCP_QUEUE_ENV = "MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER"
-TCP_QUEUE_MAX = 65535  # Mooncake 0.3.13 ignores larger values
+TCP_QUEUE_DEFAULT = 1024
+TCP_QUEUE_MAX = 65535
 
 
 def tcp_queue_env(max_queued_transfers: int = TCP_QUEUE_MAX) -> dict[str, str]:
-    """The environment that lets one TCP call hold `max_queued_transfers` descriptors per peer.
+    """The environment that lets one TCP call queue `max_queued_transfers` descriptors per peer.
 
-    Mooncake reads it when an engine starts; merge it into the environment of
-    the process (or subprocess) that starts one. The default queue (about 2k)
-    refuses sglang-sized batches (1024 pages x 61 buffers x runs).
+    Pass it to `start_engine(environment=...)`, or merge it into the
+    environment of a subprocess that starts an engine. The default queue
+    (1024) is smaller than sglang-sized batches (1024 pages x 61 buffers x runs).
     """
     return {TCP_QUEUE_ENV: str(max_queued_transfers)}
+
+
+def tcp_queue_capacity(environ: Mapping[str, str] = os.environ) -> int:
+    """The per-peer TCP queue of an engine started with `environ`, parsed as Mooncake parses it."""
+    text = environ.get(TCP_QUEUE_ENV, "")
+    if text.isascii() and text.isdigit() and 1 <= int(text) <= TCP_QUEUE_MAX:
+        return int(text)
+    return TCP_QUEUE_DEFAULT
+
+
+@contextlib.contextmanager
+def _environment(env: Mapping[str, str]) -> Iterator[None]:
+    """Set `env` in `os.environ` for the block, then restore what was there."""
+    saved = {name: os.environ.get(name) for name in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def start_engine(
@@ -30,17 +59,21 @@ def start_engine(
     metadata_server: str = P2P_HANDSHAKE,
     protocol: str = "tcp",
     device_name: str = "",
+    environment: Mapping[str, str] | None = None,
 ):
     """A Mooncake `TransferEngine` initialised on `local_hostname`; raise when Mooncake refuses.
 
     `metadata_server` is Mooncake's metadata connection string (P2P handshake by
     default), `protocol` its transport ("tcp", "rdma"), `device_name` the RDMA
-    NICs ("" lets Mooncake choose).
+    NICs ("" lets Mooncake choose). `environment` holds Mooncake settings
+    (`tcp_queue_env()`, for example), set in `os.environ` only while the engine
+    initialises, which is when Mooncake reads them.
     """
     from mooncake.engine import TransferEngine
 
     engine = TransferEngine()
-    status = engine.initialize(local_hostname, metadata_server, protocol, device_name)
+    with _environment(environment or {}):
+        status = engine.initialize(local_hostname, metadata_server, protocol, device_name)
     if status != 0:
         raise RuntimeError(
             f"Mooncake TransferEngine.initialize({local_hostname!r}, {metadata_server!r}, "
@@ -59,9 +92,3 @@ def register_buffer(engine, ptr: int, nbytes: int) -> None:
 def session_id(engine, local_hostname: str) -> str:
     """The peer name other engines use to reach `engine` (P2P handshake: host:rpc_port)."""
     return f"{local_hostname}:{engine.get_rpc_port()}"
-
-
-def apply_environment(env: dict[str, str]) -> None:
-    """Set `env` in this process unless already set (call before the engine starts)."""
-    for name, value in env.items():
-        os.environ.setdefault(name, value)

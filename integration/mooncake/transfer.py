@@ -1,4 +1,4 @@
-"""Mooncake submit loop: one call per plan batch, in order, bounded in time, in either direction.
+"""Mooncake submit loop: a plan's batches, in order, bounded in time, in either direction.
 
 Push (`MooncakeSender`, sglang's model): the prefill side writes its sources
 into the decode side's destinations with `batch_transfer_sync_write`. Pull
@@ -6,30 +6,65 @@ into the decode side's destinations with `batch_transfer_sync_write`. Pull
 own destinations with `batch_transfer_sync_read`. A plan's (src, dst, len)
 triples are the same in both; only which end is local changes.
 
-Mooncake's own failure behaviour over TCP (measured with 0.3.13, see the tests):
-a peer that has exited (connection refused or reset) fails the call with -1
-within milliseconds, but a peer that is alive and stalled (stopped, swapped
-out, wedged) keeps a synchronous call blocked for `MC_TCP_PROGRESS_TIMEOUT_SEC`
-(30 s) per stalled slice, one after another: minutes for a large batch. So the
-loop submits each batch from a worker thread and waits at most
-`batch_timeout_s` for it; on expiry it raises `TransferTimeoutError` while the
-abandoned call finishes (or fails) inside Mooncake in the background. Local
-buffers must stay registered until then.
+Failures. The first batch that fails raises `TransferError` with its index and
+the bytes confirmed before the failure, whether the engine returned a non-zero
+status or raised (the pybind `TypeError` for an address it cannot take, for
+example); later batches are never submitted.
 
-Mooncake's TCP transport also rejects a call with more descriptors than its
-per-peer queue holds (`MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER`, about 2k by
-default): status -1, after part of the batch may already have been written
-(see `engine.tcp_queue_env`).
+Time bound. Mooncake's own behaviour over TCP (measured with 0.3.13, see the
+tests): a peer that has exited (connection refused or reset) fails the call
+with -1 within milliseconds, but a peer that is alive and stalled (stopped,
+swapped out, wedged) keeps a synchronous call blocked for
+`MC_TCP_PROGRESS_TIMEOUT_SEC` (30 s) per stalled slice, one after another:
+minutes for a large batch. So every engine call runs on a thread of its own
+and the submitting thread waits at most `batch_timeout_s` per batch; on expiry
+it raises `TransferTimeoutError`. Mooncake cannot cancel a call it has
+started: the abandoned calls keep running, and keep writing (a stalled peer
+that resumes receives the rest of that batch, never a later one). The error's
+`in_flight` holds their futures, and `close(timeout)` waits for every call
+the transfer started and returns those still running.
+
+When buffers may be reused or unregistered: the local buffers (sources of a
+write, destinations of a read) and the peer's registered buffers must stay
+valid while a call is in flight. That is at once after `submit` returns or
+raises a `TransferError` whose `in_flight` is empty, and after a
+`TransferTimeoutError` once every future in its `in_flight` is done (or
+`close(timeout)` has returned an empty list).
+
+Threads. One `MooncakeSender`/`MooncakeReader` may be shared: concurrent
+`submit` calls share no worker, so each batch's timeout covers only that
+submit's own calls. `close()` makes every submit stop before its next batch
+(and refuses new ones); it cancels nothing, so no future claims to run that
+does not.
+
+Queue-sized calls. Mooncake's TCP transport queues at most
+`MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER` descriptors per peer (1024 by default,
+at most 65535; see `engine.tcp_queue_capacity`), parks up to 1024 more for
+`MC_TCP_ADMISSION_TIMEOUT_MS` (1 s) and refuses the rest: the call returns -1
+after the admitted part has been written. So the loop splits every batch
+into consecutive calls of at most `max_call_descriptors` (default 1024,
+Mooncake's default queue; pass the engine's queue when it was raised, or
+None not to split, on RDMA) and never has more than that many descriptors of
+one submit queued at once: with `buffer_workers`, each call holds at most
+`max_call_descriptors // buffer_workers`. A batch is never refused for its
+size. Concurrent submits to one peer share its queue; keep the sum of their
+limits within it. sglang's own sender (and the plugin, which keeps its
+semantics) makes one call per batch.
 """
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
+import threading
+import time
 from collections.abc import Iterable
+from concurrent.futures import Future
 from itertools import groupby
 from operator import attrgetter
 
 from gpu_planner.integration.mooncake import handoff
+from gpu_planner.integration.mooncake.engine import TCP_QUEUE_DEFAULT
 from gpu_planner.plan import BufferBatch, TransferPlan
 from gpu_planner.profiling import nvtx_range
 
@@ -37,27 +72,43 @@ Batch = tuple[handoff.Column, handoff.Column, handoff.Column]
 
 
 class TransferError(RuntimeError):
-    """A Mooncake batch failed; earlier batches were confirmed, later ones never submitted."""
+    """A Mooncake batch failed; later batches were never submitted.
 
-    def __init__(self, message: str, batch_index: int, confirmed_bytes: int) -> None:
+    `batch_index`: the failed batch. `confirmed_bytes`: the bytes of every
+    call that succeeded before the error (earlier batches, and calls of this
+    batch that completed). `in_flight`: futures of this batch's calls still
+    running in Mooncake (each resolves to the call's status); the buffers
+    must stay valid until all are done. Empty unless the batch timed out.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        batch_index: int,
+        confirmed_bytes: int,
+        in_flight: Iterable[Future[int]] = (),
+    ) -> None:
         super().__init__(message)
         self.batch_index = batch_index
         self.confirmed_bytes = confirmed_bytes
+        self.in_flight = tuple(in_flight)
 
 
 class TransferTimeoutError(TransferError):
-    """A Mooncake batch did not complete within the sender's `batch_timeout_s`."""
+    """A Mooncake batch did not complete within `batch_timeout_s`; its calls are in `in_flight`."""
 
 
 class MooncakeTransfer:
     """Submits a plan's batches between the local engine and a peer; stops at the first failure.
 
     `MooncakeSender` writes and `MooncakeReader` reads; both share this loop
-    and its error semantics. `buffer_workers > 0` submits each batch as one
-    call per buffer through a thread pool of that size (sglang's
-    custom-memory-pool path); the batch completes when all its buffers have.
-    `batch_timeout_s=None` waits without bound (and submits from the calling
-    thread when there are no buffer workers). Batches reach Mooncake through
+    and its error semantics (see the module docstring). Each batch is one
+    call, or consecutive calls of at most `max_call_descriptors` descriptors
+    (None: never split). `buffer_workers > 0` submits each batch as one call
+    per buffer, up to that many at a time (sglang's custom-memory-pool path);
+    the batch completes when all its calls have. `batch_timeout_s` bounds each
+    batch (None: no bound, and without buffer workers the calls run on the
+    submitting thread). Batches reach Mooncake through
     `handoff`: descriptor arrays when the engine takes them, else lists
     (`handoff_path`, detected from the engine unless given).
     """
@@ -72,19 +123,27 @@ class MooncakeTransfer:
         *,
         buffer_workers: int = 0,
         batch_timeout_s: float | None = 60.0,
+        max_call_descriptors: int | None = TCP_QUEUE_DEFAULT,
         handoff_path: handoff.Path | None = None,
     ) -> None:
         if buffer_workers < 0:
             raise ValueError(f"buffer_workers: must be >= 0, got {buffer_workers}")
         if batch_timeout_s is not None and batch_timeout_s <= 0:
             raise ValueError(f"batch_timeout_s: must be > 0 or None, got {batch_timeout_s}")
+        if max_call_descriptors is not None and max_call_descriptors < 1:
+            raise ValueError(
+                f"max_call_descriptors: must be >= 1 or None, got {max_call_descriptors}"
+            )
         self.engine = engine
         self.peer = peer_session_id
         self.buffer_workers = buffer_workers
         self.batch_timeout_s = batch_timeout_s
+        self.max_call_descriptors = max_call_descriptors
         self.handoff_path = handoff_path or handoff.handoff_path(engine, self.direction)
         self._engine_call = handoff.engine_call(engine, self.direction, self.handoff_path)
-        self._pool = self._new_pool() if buffer_workers or batch_timeout_s is not None else None
+        self._lock = threading.Lock()
+        self._in_flight: set[Future[int]] = set()  # calls started and not yet done
+        self._closed = False
 
     def __enter__(self):
         return self
@@ -92,16 +151,19 @@ class MooncakeTransfer:
     def __exit__(self, *exc_info) -> None:
         self.close()
 
-    def _new_pool(self) -> concurrent.futures.ThreadPoolExecutor:
-        return concurrent.futures.ThreadPoolExecutor(
-            max_workers=max(self.buffer_workers, 1), thread_name_prefix="gpu-planner-mooncake"
-        )
+    def close(self, timeout: float | None = 0.0) -> list[Future[int]]:
+        """Stop every submit before its next batch; the calls still running after `timeout` s.
 
-    def close(self) -> None:
-        """Release the worker threads (without waiting for a timed-out call)."""
-        if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
-            self._pool = None
+        Waits at most `timeout` seconds (None: without bound) for the calls in
+        flight, whichever thread started them. An empty list means none is
+        running: the buffers may be reused or unregistered. Nothing is
+        cancelled (Mooncake cannot stop a call it has started).
+        """
+        with self._lock:
+            self._closed = True
+            in_flight = list(self._in_flight)
+        _, running = concurrent.futures.wait(in_flight, timeout=timeout)
+        return [call for call in in_flight if call in running]
 
     def submit(self, plan: TransferPlan) -> int:
         """Submit every batch of `plan`; return the bytes moved. Raises `TransferError`."""
@@ -110,7 +172,7 @@ class MooncakeTransfer:
         return self.submit_batches(handoff.batches(plan, self.handoff_path))
 
     def submit_batches(self, batches: Iterable[Batch]) -> int:
-        """Submit precomputed (srcs, dsts, lens) batches, one Mooncake call each, in order.
+        """Submit precomputed (srcs, dsts, lens) batches in order (split at the call limit).
 
         They must have `handoff_path`'s form (`handoff.batches(plan, path)`).
         """
@@ -119,10 +181,10 @@ class MooncakeTransfer:
         )
 
     def submit_buffer_batches(self, pieces: Iterable[BufferBatch]) -> int:
-        """Submit `plan.buffer_batches()` pieces in plan order, one call per piece.
+        """Submit `plan.buffer_batches()` pieces in plan order, one call per piece (or its slices).
 
-        The pieces of one batch run concurrently on the buffer workers; the next
-        batch starts when all of them have succeeded.
+        The calls of one batch run concurrently, up to `buffer_workers` at a
+        time; the next batch starts when all of them have succeeded.
         """
         return self._submit_groups(
             list(group) for _, group in groupby(pieces, key=attrgetter("batch"))
@@ -132,42 +194,122 @@ class MooncakeTransfer:
         confirmed = 0
         with nvtx_range(f"{type(self).__name__}/submit"):
             for index, pieces in enumerate(groups):
-                nbytes = sum(handoff.column_total(piece.lens) for piece in pieces)
-                with nvtx_range(f"{type(self).__name__}/batch {index}"):
-                    status = self._submit_group(pieces, index, confirmed)
-                if status != 0:
-                    descriptors = sum(len(piece.lens) for piece in pieces)
+                if self._closed:
                     raise TransferError(
-                        f"Mooncake batch {index} ({self.operation} {self.peer}) failed with "
-                        f"status {status} ({descriptors} descriptors, {nbytes} bytes); {confirmed} "
-                        f"bytes of the {index} earlier batches were confirmed, later batches not "
-                        "submitted",
+                        f"Mooncake batch {index} ({self.operation} {self.peer}): the transfer "
+                        f"was closed; {confirmed} bytes were confirmed before it",
                         batch_index=index,
                         confirmed_bytes=confirmed,
                     )
-                confirmed += nbytes
+                with nvtx_range(f"{type(self).__name__}/batch {index}"):
+                    confirmed = self._submit_batch(index, self._calls(pieces), confirmed)
         return confirmed
 
-    def _submit_group(self, pieces: list[BufferBatch], index: int, confirmed: int) -> int:
-        """Run one batch's calls; the first non-zero status, or 0."""
-        if self._pool is None:
-            return self._call(pieces[0].srcs, pieces[0].dsts, pieces[0].lens)
-        futures = [
-            self._pool.submit(self._call, piece.srcs, piece.dsts, piece.lens) for piece in pieces
-        ]
-        _, pending = concurrent.futures.wait(futures, timeout=self.batch_timeout_s)
-        if pending:
-            # The stuck calls keep their threads; later batches get fresh ones.
-            self.close()
-            self._pool = self._new_pool()
-            raise TransferTimeoutError(
-                f"Mooncake batch {index} ({self.operation} {self.peer}): {len(pending)} of "
-                f"{len(futures)} calls still running after {self.batch_timeout_s} s (is the peer "
-                f"stalled?); {confirmed} bytes of the {index} earlier batches were confirmed",
-                batch_index=index,
-                confirmed_bytes=confirmed,
+    def _calls(self, pieces: list[BufferBatch]) -> list[Batch]:
+        """One batch's engine calls: each piece, cut into slices of at most the per-call limit."""
+        limit = self.max_call_descriptors
+        if limit is not None:
+            limit = max(limit // max(self.buffer_workers, 1), 1)  # at most `limit` queued at once
+        calls = []
+        for piece in pieces:
+            count = len(piece.lens)
+            if limit is None or count <= limit:
+                calls.append((piece.srcs, piece.dsts, piece.lens))
+            else:
+                calls += [
+                    (
+                        piece.srcs[at : at + limit],
+                        piece.dsts[at : at + limit],
+                        piece.lens[at : at + limit],
+                    )
+                    for at in range(0, count, limit)
+                ]
+        return calls
+
+    def _submit_batch(self, index: int, calls: list[Batch], confirmed: int) -> int:
+        """Run one batch's calls within the batch timeout; the bytes confirmed after it.
+
+        At most `buffer_workers` (or one) run at a time, started in order, and
+        none starts once a call has failed. Raises `TransferError`.
+        """
+        timeout = self.batch_timeout_s
+        deadline = None if timeout is None else time.monotonic() + timeout
+        waiting = collections.deque(calls)
+        running: dict[Future[int], Batch] = {}
+        failed: tuple[Future[int], Batch] | None = None
+        while waiting or running:
+            while waiting and failed is None and len(running) < max(self.buffer_workers, 1):
+                call = waiting.popleft()
+                running[self._start(call)] = call
+            remaining = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+            done, _ = concurrent.futures.wait(
+                running, timeout=remaining, return_when=concurrent.futures.FIRST_COMPLETED
             )
-        return next((status for status in (f.result() for f in futures) if status != 0), 0)
+            if not done:
+                raise TransferTimeoutError(
+                    f"Mooncake batch {index} ({self.operation} {self.peer}): {len(running)} of "
+                    f"{len(calls)} calls still running after {timeout} s (is the peer stalled?) "
+                    f"and {len(waiting)} not started; the running ones keep writing until "
+                    f"Mooncake ends them (see in_flight); {confirmed} bytes were confirmed "
+                    "before, later batches not submitted",
+                    batch_index=index,
+                    confirmed_bytes=confirmed,
+                    in_flight=running,
+                )
+            for future in done:
+                call = running.pop(future)
+                if future.exception() is None and future.result() == 0:
+                    confirmed += handoff.column_total(call[2])
+                elif failed is None:
+                    failed = future, call
+        if failed is not None:
+            raise self._failure(index, *failed, confirmed)
+        return confirmed
+
+    def _failure(
+        self, index: int, future: Future[int], call: Batch, confirmed: int
+    ) -> TransferError:
+        """The `TransferError` for a call that returned a non-zero status or raised."""
+        error = future.exception()
+        outcome = (
+            f"status {future.result()}" if error is None else f"{type(error).__name__}: {error}"
+        )
+        failure = TransferError(
+            f"Mooncake batch {index} ({self.operation} {self.peer}) failed with {outcome} (a "
+            f"call of {len(call[2])} descriptors, {handoff.column_total(call[2])} bytes); "
+            f"{confirmed} bytes were confirmed before, later batches not submitted",
+            batch_index=index,
+            confirmed_bytes=confirmed,
+        )
+        failure.__cause__ = error
+        return failure
+
+    def _start(self, call: Batch) -> Future[int]:
+        """Start one engine call on a thread of its own (on this one when nothing is bounded).
+
+        A thread per call means no call ever waits for another submit's worker.
+        """
+        future: Future[int] = Future()
+        future.set_running_or_notify_cancel()  # started: it cannot be cancelled
+        with self._lock:
+            self._in_flight.add(future)
+        future.add_done_callback(self._forget)
+        if self.batch_timeout_s is None and not self.buffer_workers:
+            self._run(future, call)
+        else:
+            name = f"gpu-planner-mooncake-{self.operation.split()[0]}"
+            threading.Thread(target=self._run, args=(future, call), name=name, daemon=True).start()
+        return future
+
+    def _run(self, future: Future[int], call: Batch) -> None:
+        try:
+            future.set_result(self._call(*call))
+        except Exception as error:  # any engine failure becomes the batch's TransferError
+            future.set_exception(error)
+
+    def _forget(self, future: Future[int]) -> None:
+        with self._lock:
+            self._in_flight.discard(future)
 
     def _call(self, srcs: handoff.Column, dsts: handoff.Column, lens: handoff.Column) -> int:
         """One Mooncake call for (srcs, dsts, lens) in the plan's convention; its status."""

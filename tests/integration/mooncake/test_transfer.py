@@ -1,121 +1,294 @@
-"""MooncakeSender against a real decode process: order, bounds, the HiSparse bug class, faults.
+"""The submit loop against a real peer process, push (MooncakeSender) and pull (MooncakeReader).
 
-The loop is shared with MooncakeReader: the engine-free tests run both.
+Order and bytes, bounds, faults (dead and stalled peers, engine exceptions),
+abandoned calls, sharing across threads, and queue-sized calls. Every test
+that moves bytes checks every byte of the destination buffers against what
+the page lists say, computed without the plan. The engine-free tests at the
+end cover the loop's bookkeeping alone.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
+import contextlib
+import dataclasses
 import threading
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
-from mooncake_demo_support import (
+from mooncake_peer import (
     HookedEngine,
-    decode_peer,
-    faulty_transfer,
-    kill_process,
-    small_config,
-    stop_process,
+    Sides,
+    changed_pages,
+    expected_after,
+    page_request,
+    two_sides,
 )
 
 import gpu_planner as gp
 from gpu_planner.integration.mooncake import (
     MooncakeReader,
     MooncakeSender,
+    MooncakeTransfer,
     TransferError,
     TransferTimeoutError,
+    handoff,
 )
 
-
-def _batch_bytes(batches) -> list[int]:
-    return [sum(lens) for *_, lens in batches]
-
-
-def test_send_submits_each_batch_in_order_and_the_bytes_arrive():
-    with decode_peer(small_config()) as peer:
-        request = peer.request
-        plan = peer.plan(request.host_pages, request.device_pages, max_batch_pages=7)
-        assert plan.num_batches > 1
-        engine = HookedEngine(peer.prefill.engine)
-        with MooncakeSender(engine, request.session_id) as sender:
-            assert sender.submit(plan) == plan.total_bytes
-        assert engine.calls == list(plan.batches())
-
-        # Per-buffer submission writes the same bytes again, one call per (batch, buffer).
-        engine.calls.clear()
-        with MooncakeSender(engine, request.session_id, buffer_workers=3) as sender:
-            assert sender.submit(plan) == plan.total_bytes
-        pieces = [tuple(piece[2:]) for piece in plan.buffer_batches()]
-        assert sorted(engine.calls) == sorted(pieces)
-
-        verification = peer.prefill.finish(request)
-    assert verification.ok, verification
-    registration = peer.registration
-    pool_pages = [
-        n // item for n, item in zip(registration.lens, registration.item_lens, strict=True)
-    ]
-    assert verification.pages_checked == sum(pool_pages)
+DIRECTIONS = ["push", "pull"]
+ITEM_LEN = 4096
+POOL_PAGES = 64
+NUM_PAGES = 40
+BATCH_PAGES = 4
+IS_DEVICE = [False, True, False]  # destination buffer 1 uses the device-space pages
+NBYTES = [POOL_PAGES * ITEM_LEN] * len(IS_DEVICE)
+WAIT_S = 60.0  # bound on waiting for an abandoned call once the peer resumes
 
 
-def test_out_of_range_destination_is_refused_before_any_write():
-    with decode_peer(small_config()) as peer:
-        request = peer.request
-        last_page = peer.registration.lens[0] // peer.registration.item_lens[0] - 1
-        host_pages = request.host_pages.copy()
-        host_pages[len(host_pages) // 2] = last_page + 1
-        with pytest.raises(gp.BoundsError, match="buffer 0: dst pages"):
-            peer.plan(host_pages, request.device_pages, max_batch_pages=7)
-        verification = peer.prefill.finish(request, failure="refused")
-    assert verification.bad_pages == 0
-    assert verification.changed_pages == 0
+def _sides(direction: str, **environment: str):
+    return two_sides(direction, NBYTES, NBYTES, environment or None)
 
 
-def test_host_pages_for_device_buffers_hit_the_bounds_check():
-    # Host pool 3x the request, device pool 1x: host page ids overrun device buffers.
-    config = small_config(host_pool_factor=3.0, device_pool_factor=1.0)
-    with decode_peer(config) as peer:
-        request = peer.request
-        device_buffer = peer.registration.is_device.index(True)
-        device_pool = peer.registration.lens[device_buffer] // config.item_len
-        assert request.host_pages.max() >= device_pool
-        with pytest.raises(gp.BoundsError, match="device-backed"):
-            peer.plan(request.host_pages, request.host_pages, max_batch_pages=7)
-        verification = peer.prefill.finish(request, failure="refused")
-    assert verification.changed_pages == 0
+def _plan(sides: Sides, pages, max_batch_pages: int = BATCH_PAGES) -> gp.TransferPlan:
+    src, dst, dst_device = pages
+    return gp.plan_transfer(
+        src, dst, sides.layout(ITEM_LEN, IS_DEVICE), dst_device, max_batch_pages=max_batch_pages
+    )
 
 
-def test_host_pages_for_device_buffers_fail_verification_when_they_fit():
-    # Equal pools: host page ids fit the device buffers, so only the bytes can tell.
-    config = small_config(host_pool_factor=2.0, device_pool_factor=2.0)
-    with decode_peer(config) as peer:
-        request = peer.request
-        assert not np.array_equal(request.host_pages, request.device_pages)
-        plan = peer.plan(request.host_pages, request.host_pages, max_batch_pages=7)
-        with MooncakeSender(peer.prefill.engine, request.session_id) as sender:
+def _expected(sides: Sides, pages, num_pages: int = NUM_PAGES) -> list[np.ndarray]:
+    """The destination once the first `num_pages` pages of the request have moved."""
+    src, dst, dst_device = (p[:num_pages] for p in pages)
+    dst_pages = [dst_device if on_device else dst for on_device in IS_DEVICE]
+    return expected_after(sides.destination_initial(), sides.sources(), src, dst_pages, ITEM_LEN)
+
+
+def _batch_bytes(plan: gp.TransferPlan, batches: int) -> int:
+    return sum(sum(lens) for *_, lens in list(plan.batches())[:batches])
+
+
+@pytest.mark.parametrize("buffer_workers", [0, 3])
+@pytest.mark.parametrize("direction", DIRECTIONS)
+def test_each_batch_is_submitted_in_order_and_every_byte_arrives(direction, buffer_workers):
+    pages = page_request(NUM_PAGES, POOL_PAGES)
+    with _sides(direction) as sides:
+        plan = _plan(sides, pages)
+        assert plan.num_batches > 1 and plan.num_descriptors > plan.num_batches
+        engine = HookedEngine(sides.local.engine)
+        with sides.transfer(engine, sides.peer.session_id, buffer_workers=buffer_workers) as t:
+            assert t.submit(plan) == plan.total_bytes
+        if buffer_workers:
+            pieces = [tuple(piece[2:]) for piece in plan.buffer_batches()]
+            assert sorted(engine.calls) == sorted(pieces)
+        else:
+            assert engine.calls == list(plan.batches())  # the peer's addresses as sources on a read
+        assert changed_pages(sides.destination(), _expected(sides, pages), ITEM_LEN) == 0
+
+
+@pytest.mark.parametrize("direction", DIRECTIONS)
+def test_an_out_of_range_page_is_refused_before_any_byte_moves(direction):
+    src, dst, dst_device = page_request(NUM_PAGES, POOL_PAGES)
+    with _sides(direction) as sides:
+        wrong = (
+            (src, dst.copy(), dst_device) if direction == "push" else (src.copy(), dst, dst_device)
+        )
+        side = 1 if direction == "push" else 0
+        wrong[side][NUM_PAGES // 2] = POOL_PAGES
+        with pytest.raises(gp.BoundsError, match="dst pages" if side else "src pages"):
+            _plan(sides, wrong)
+        assert changed_pages(sides.destination(), sides.destination_initial(), ITEM_LEN) == 0
+
+
+def test_host_pages_for_device_buffers_change_the_wrong_pages_when_they_fit():
+    # The HiSparse bug class: the host list used for a device-backed buffer. Bounds cannot
+    # tell when the pools are the same size; only the bytes can.
+    pages = page_request(NUM_PAGES, POOL_PAGES)
+    src, dst, _ = pages
+    with _sides("push") as sides:
+        plan = _plan(sides, (src, dst, dst))
+        with MooncakeSender(sides.local.engine, sides.peer.session_id) as sender:
             sender.submit(plan)
-        verification = peer.prefill.finish(request)
-    assert not verification.ok
-    assert verification.bad_pages > 0  # device pages that should have the KV do not
-    assert verification.changed_pages > 0  # device pages outside the request were overwritten
+        assert changed_pages(sides.destination(), _expected(sides, pages), ITEM_LEN) > 0
 
 
-def test_decode_killed_mid_transfer_fails_the_batch_and_stops():
-    plan, error = faulty_transfer(decode_peer, MooncakeSender, kill_process)
-    batches = list(plan.batches())
-    assert len(batches) > 4
-    # Mooncake itself reports the dead peer (connection refused/reset): not our time bound.
-    assert not isinstance(error, TransferTimeoutError)
-    assert error.batch_index == 3
-    assert error.confirmed_bytes == sum(_batch_bytes(batches[:3]))
-    assert "batch 3" in str(error)
+@dataclasses.dataclass
+class Failed:
+    """A submit that failed at batch 3, with its peer still there to inspect."""
+
+    sides: Sides
+    pages: tuple[np.ndarray, np.ndarray, np.ndarray]
+    plan: gp.TransferPlan
+    transfer: MooncakeTransfer
+    error: TransferError
 
 
-def test_stalled_decode_is_bounded_by_the_batch_timeout():
-    # A stopped peer keeps its sockets open: Mooncake would wait 30 s per slice.
-    plan, error = faulty_transfer(decode_peer, MooncakeSender, stop_process)
-    assert isinstance(error, TransferTimeoutError)
-    assert error.batch_index == 3
-    assert error.confirmed_bytes == sum(_batch_bytes(list(plan.batches())[:3]))
+@contextlib.contextmanager
+def failed_at_batch_3(direction: str, fault: str) -> Iterator[Failed]:
+    """Submit with the peer's `fault` method ("kill", "stop") run as batch 3 starts."""
+    pages = page_request(NUM_PAGES, POOL_PAGES)
+    with _sides(direction) as sides:
+        plan = _plan(sides, pages)
+        engine = HookedEngine(sides.local.engine, at_call=3, hook=getattr(sides.peer, fault))
+        transfer = sides.transfer(engine, sides.peer.session_id, batch_timeout_s=2.0)
+        with pytest.raises(TransferError) as caught:
+            transfer.submit(plan)
+        yield Failed(sides, pages, plan, transfer, caught.value)
+
+
+@pytest.mark.parametrize("direction", DIRECTIONS)
+def test_a_dead_peer_fails_the_batch_at_once_and_stops(direction):
+    with failed_at_batch_3(direction, "kill") as failed:
+        error = failed.error
+        assert len(list(failed.plan.batches())) > 4
+        # Mooncake itself reports the dead peer (connection refused or reset): not our bound.
+        assert not isinstance(error, TransferTimeoutError)
+        assert error.batch_index == 3 and error.in_flight == ()
+        assert error.confirmed_bytes == _batch_bytes(failed.plan, 3)
+        assert f"batch 3 ({failed.transfer.operation}" in str(error)
+        assert failed.transfer.close() == []
+
+
+@pytest.mark.parametrize("direction", DIRECTIONS)
+def test_a_stalled_peer_times_out_and_the_abandoned_call_stays_visible(direction):
+    with failed_at_batch_3(direction, "stop") as failed:
+        error, transfer = failed.error, failed.transfer
+        assert isinstance(error, TransferTimeoutError)
+        assert error.batch_index == 3
+        assert error.confirmed_bytes == _batch_bytes(failed.plan, 3)
+        (call,) = error.in_flight
+        assert call.running() and not call.cancelled()
+        assert transfer.close(timeout=0.1) == [call]  # still running: buffers stay registered
+        with pytest.raises(TransferError, match="closed"):
+            transfer.submit(failed.plan)
+        # The peer resumes: the abandoned call completes and writes batch 3, and nothing later.
+        failed.sides.peer.resume()
+        done, _ = concurrent.futures.wait(error.in_flight, timeout=WAIT_S)
+        assert done == {call} and call.result() == 0
+        assert transfer.close(timeout=0.0) == []
+        expected = _expected(failed.sides, failed.pages, num_pages=4 * BATCH_PAGES)
+        assert changed_pages(failed.sides.destination(), expected, ITEM_LEN) == 0
+
+
+@pytest.mark.parametrize("buffer_workers", [0, 2])
+@pytest.mark.parametrize("direction", DIRECTIONS)
+def test_an_address_the_binding_refuses_is_a_transfer_error(direction, buffer_workers):
+    # Python ints >= 2**64 (sglang's list path can build them): pybind raises TypeError.
+    # Lists: no int64 array can hold such an address.
+    pages = page_request(NUM_PAGES, POOL_PAGES)
+    with _sides(direction) as sides:
+        plan = _plan(sides, pages)
+        batches = list(plan.batches())
+        srcs, dsts, lens = batches[2]
+        batches[2] = (srcs, [*dsts[:-1], 2**64 + dsts[-1]], lens)
+        engine = HookedEngine(sides.local.engine)
+        transfer = sides.transfer(
+            engine,
+            sides.peer.session_id,
+            buffer_workers=buffer_workers,
+            batch_timeout_s=30.0,
+            handoff_path=handoff.LISTS,
+        )
+        with transfer, pytest.raises(TransferError, match="batch 2.*TypeError") as caught:
+            transfer.submit_batches(batches)
+        assert isinstance(caught.value.__cause__, TypeError)
+        assert caught.value.batch_index == 2
+        assert caught.value.confirmed_bytes == _batch_bytes(plan, 2)
+        assert len(engine.calls) == 3  # nothing after the failed batch
+        expected = _expected(sides, pages, num_pages=2 * BATCH_PAGES)
+        assert changed_pages(sides.destination(), expected, ITEM_LEN) == 0
+
+
+@pytest.mark.parametrize("direction", DIRECTIONS)
+def test_threads_sharing_a_transfer_each_get_their_own_time_bound(direction):
+    # Thread A's first call is held (before it reaches Mooncake) until thread B has finished:
+    # B's calls must not wait for A's worker, nor be cut off by A's stall.
+    pages = page_request(NUM_PAGES, POOL_PAGES)
+    entered, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        entered.set()
+        release.wait(WAIT_S)
+
+    with _sides(direction) as sides:
+        plan = _plan(sides, pages)
+        engine = HookedEngine(sides.local.engine, at_call=0, hook=hold)
+        with (
+            sides.transfer(engine, sides.peer.session_id, batch_timeout_s=5.0) as shared,
+            concurrent.futures.ThreadPoolExecutor(1) as thread_a,
+        ):
+            submit_a = thread_a.submit(shared.submit, plan)
+            assert entered.wait(WAIT_S)
+            try:
+                assert shared.submit(plan) == plan.total_bytes  # thread B: this one
+            finally:
+                release.set()
+            assert submit_a.result(WAIT_S) == plan.total_bytes
+        assert changed_pages(sides.destination(), _expected(sides, pages), ITEM_LEN) == 0
+
+
+@pytest.mark.parametrize("direction", DIRECTIONS)
+def test_close_from_another_thread_stops_the_submit_before_its_next_batch(direction):
+    pages = page_request(NUM_PAGES, POOL_PAGES)
+    entered, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        entered.set()
+        release.wait(WAIT_S)
+
+    with _sides(direction) as sides:
+        plan = _plan(sides, pages)
+        engine = HookedEngine(sides.local.engine, at_call=1, hook=hold)
+        transfer = sides.transfer(engine, sides.peer.session_id, batch_timeout_s=30.0)
+        with concurrent.futures.ThreadPoolExecutor(1) as thread:
+            submit = thread.submit(transfer.submit, plan)
+            assert entered.wait(WAIT_S)
+            (call,) = transfer.close(timeout=0.05)  # batch 1's call, held: really running
+            assert call.running()
+            release.set()
+            with pytest.raises(TransferError, match="closed") as caught:
+                submit.result(WAIT_S)
+        assert call.done() and not call.cancelled() and call.result() == 0
+        assert (caught.value.batch_index, caught.value.in_flight) == (2, ())
+        assert caught.value.confirmed_bytes == _batch_bytes(plan, 2)
+        assert transfer.close(timeout=WAIT_S) == []
+        expected = _expected(sides, pages, num_pages=2 * BATCH_PAGES)
+        assert changed_pages(sides.destination(), expected, ITEM_LEN) == 0
+
+
+@pytest.mark.parametrize("path", [handoff.ARRAYS, handoff.LISTS])
+@pytest.mark.parametrize("buffer_workers", [0, 3])
+@pytest.mark.parametrize("direction", DIRECTIONS)
+def test_a_batch_larger_than_the_tcp_queue_is_split_into_queue_sized_calls(
+    direction, buffer_workers, path
+):
+    # An engine whose TCP transport queues 16 descriptors per peer and parks 1 more: one call
+    # of more fails with -1 after writing part of it. Runs of one page: many descriptors.
+    queue = 16
+    environment = {
+        "MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER": str(queue),
+        "MC_TCP_MAX_PENDING_ADMISSIONS_PER_PEER": "1",
+    }
+    rng = np.random.default_rng(7)
+    pages = tuple(rng.permutation(POOL_PAGES)[:NUM_PAGES] for _ in range(3))
+    with _sides(direction, **environment) as sides:
+        plan = _plan(sides, pages, max_batch_pages=0)  # one batch
+        assert plan.num_batches == 1 and plan.num_descriptors > 4 * queue
+        engine = HookedEngine(sides.local.engine)
+        transfer = sides.transfer(
+            engine,
+            sides.peer.session_id,
+            buffer_workers=buffer_workers,
+            max_call_descriptors=queue,
+            handoff_path=path,
+        )
+        with transfer:
+            assert transfer.submit(plan) == plan.total_bytes
+        limit = queue // max(buffer_workers, 1)
+        assert max(len(lens) for *_, lens in engine.calls) == limit
+        called = sorted(triple for call in engine.calls for triple in zip(*call, strict=True))
+        assert called == sorted(zip(*next(iter(plan.batches())), strict=True))
+        assert changed_pages(sides.destination(), _expected(sides, pages), ITEM_LEN) == 0
 
 
 class _FailingEngine:
@@ -128,7 +301,7 @@ class _FailingEngine:
 
     def batch_transfer_sync_write(self, peer, srcs, dsts, lens) -> int:
         with self._lock:
-            self.calls.append(lens)
+            self.calls.append(list(lens))
             number = len(self.calls) - 1
         return -7 if number == self.fail_at else 0
 
@@ -151,16 +324,21 @@ def test_submit_stops_at_the_first_failed_batch(transfer, buffer_workers):
     ):
         submitter.submit(plan)
     assert caught.value.batch_index == fail_batch
-    assert caught.value.confirmed_bytes == sum(_batch_bytes(list(plan.batches())[:fail_batch]))
     assert len(engine.calls) == (fail_batch + 1) * calls_per_batch  # nothing after the failure
+    # Confirmed: the earlier batches, and the calls of the failed batch that succeeded.
+    batch_calls = engine.calls[fail_batch * calls_per_batch :]
+    this_batch = sum(map(sum, batch_calls)) - sum(engine.calls[engine.fail_at])
+    assert caught.value.confirmed_bytes == _batch_bytes(plan, fail_batch) + this_batch
 
 
 @pytest.mark.parametrize(
-    "arguments", [{"buffer_workers": -1}, {"batch_timeout_s": 0.0}], ids=["workers", "timeout"]
+    "arguments",
+    [{"buffer_workers": -1}, {"batch_timeout_s": 0.0}, {"max_call_descriptors": 0}],
+    ids=["workers", "timeout", "call-limit"],
 )
 def test_sender_rejects_bad_arguments(arguments):
     with pytest.raises(ValueError, match=next(iter(arguments))):
-        MooncakeSender(object(), "peer", **arguments)
+        MooncakeSender(_FailingEngine(0), "peer", **arguments)
 
 
 def test_empty_plan_makes_no_call():

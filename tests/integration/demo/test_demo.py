@@ -1,4 +1,7 @@
-"""The two-process demo end to end, push and pull: real Mooncake transfers, every byte verified."""
+"""The two-process demo end to end, push and pull: real Mooncake transfers, every byte verified.
+
+Also: a failing engine call still ends both processes cleanly.
+"""
 
 from __future__ import annotations
 
@@ -9,9 +12,12 @@ import subprocess
 import sys
 
 import pytest
-from mooncake_demo_support import small_config
+from demo_support import small_config
 
+from gpu_planner.integration.demo import run
 from gpu_planner.integration.demo.run import DemoReport, Verification, format_report, run_demo
+from gpu_planner.integration.demo.sides import Planned
+from gpu_planner.integration.mooncake import handoff
 
 SCENARIOS = {
     "host-only-batch-7": small_config(device_fraction=0.0, max_batch_pages=7),
@@ -75,3 +81,27 @@ def test_cli_demo_rejects_a_bad_configuration():
     result = _cli("--item-len", "12", "--timeout-s", "5")
     assert result.returncode != 0
     assert "item_len" in result.stderr
+
+
+@pytest.mark.parametrize("mode", ["push", "pull"])
+def test_an_engine_exception_ends_both_sides_cleanly(mode, monkeypatch):
+    # The planning side's last batch names an address Mooncake's binding refuses (a Python int
+    # >= 2**64, lists hand-off): the engine raises TypeError. The demo must report a
+    # TransferError, tell the peer, and the peer must verify and exit 0.
+    monkeypatch.setenv(handoff.HANDOFF_ENV, "lists")
+    plan_request = run.plan_request
+
+    def plan_with_an_unreachable_batch(*args, **kwargs) -> Planned:
+        planned = plan_request(*args, **kwargs)
+        srcs, dsts, lens = planned.work[-1]
+        planned.work.append((srcs, [2**64 + dst for dst in dsts], lens))
+        return planned
+
+    monkeypatch.setattr(run, "plan_request", plan_with_an_unreachable_batch)
+    config = small_config(mode=mode, timeout_s=20.0)
+    report = run_demo(config)
+    assert not report.ok
+    (error,) = report.errors  # the peer exited 0: no "peer process exited" error
+    batches = -(-config.num_pages // config.max_batch_pages)
+    assert re.match(rf"TransferError: Mooncake batch {batches} .* TypeError", error)
+    assert report.verification is not None  # both sides ran to the end
