@@ -12,9 +12,10 @@ import os
 from collections.abc import Iterator, Mapping
 
 P2P_HANDSHAKE = "P2PHANDSHAKE"
-# Mooncake's TCP transport (0.3.13, 0.3.14: tcp_transport.cpp) queues at most this many
-# descriptors per peer, parks up to 1024 more for MC_TCP_ADMISSION_TIMEOUT_MS (1 s) and fails
-# the call for the rest; values that are not digits or lie outside [1, 65535] fall back to 1024.
+# Mooncake's TCP transport (per-peer lanes, tcp_transport.cpp, 0.3.13 and 0.3.14) queues at
+# most this many descriptors per peer, parks more (MC_TCP_MAX_PENDING_ADMISSIONS_PER_PEER) for
+# at most MC_TCP_ADMISSION_TIMEOUT_MS (1 s) and fails the call for the rest; values that are
+# not digits or lie outside [1, 65535] fall back to 1024.
 TCP_QUEUE_ENV = "MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER"
 TCP_QUEUE_DEFAULT = 1024
 TCP_QUEUE_MAX = 65535

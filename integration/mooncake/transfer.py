@@ -11,8 +11,8 @@ the bytes confirmed before the failure, whether the engine returned a non-zero
 status or raised (the pybind `TypeError` for an address it cannot take, for
 example); later batches are never submitted.
 
-Time bound. Mooncake's own behaviour over TCP (measured with 0.3.13, see the
-tests): a peer that has exited (connection refused or reset) fails the call
+Time bound. Mooncake's own behaviour over TCP (measured with 0.3.13 and 0.3.14,
+see the tests): a peer that has exited (connection refused or reset) fails the call
 with -1 within milliseconds, but a peer that is alive and stalled (stopped,
 swapped out, wedged) keeps a synchronous call blocked for
 `MC_TCP_PROGRESS_TIMEOUT_SEC` (30 s) per stalled slice, one after another:
@@ -35,21 +35,22 @@ Threads. One `MooncakeSender`/`MooncakeReader` may be shared: concurrent
 `submit` calls share no worker, so each batch's timeout covers only that
 submit's own calls. `close()` makes every submit stop before its next batch
 (and refuses new ones); it cancels nothing, so no future claims to run that
-does not.
+does not. The call threads are daemon threads: a call stuck in Mooncake does
+not hold up the interpreter's exit.
 
-Queue-sized calls. Mooncake's TCP transport queues at most
-`MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER` descriptors per peer (1024 by default,
-at most 65535; see `engine.tcp_queue_capacity`), parks up to 1024 more for
-`MC_TCP_ADMISSION_TIMEOUT_MS` (1 s) and refuses the rest: the call returns -1
-after the admitted part has been written. So the loop splits every batch
-into consecutive calls of at most `max_call_descriptors` (default 1024,
-Mooncake's default queue; pass the engine's queue when it was raised, or
-None not to split, on RDMA) and never has more than that many descriptors of
-one submit queued at once: with `buffer_workers`, each call holds at most
-`max_call_descriptors // buffer_workers`. A batch is never refused for its
-size. Concurrent submits to one peer share its queue; keep the sum of their
-limits within it. sglang's own sender (and the plugin, which keeps its
-semantics) makes one call per batch.
+Queue-sized calls: split, never refused. Mooncake's TCP transport queues at
+most `MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER` descriptors per peer (1024 by
+default, at most 65535; see `engine.tcp_queue_capacity`), parks more for at
+most `MC_TCP_ADMISSION_TIMEOUT_MS` (1 s) and fails the call for the rest, with
+-1, after the admitted part has been written (0.3.13 failed 2,100 descriptors
+at once; 0.3.14 passes 10,000 small ones and fails 40,000 after 1 s). So the
+loop cuts every batch into consecutive calls of at most `max_call_descriptors`
+(default 1024, Mooncake's default queue; pass the engine's queue when it was
+raised, or None not to split, on RDMA), and with `buffer_workers` into calls
+of at most `max_call_descriptors // buffer_workers`, so that one submit never
+has more queued at once. Concurrent submits to one peer share its queue; keep
+the sum of their limits within it. sglang's own sender (and the plugin, which
+keeps its semantics) makes one call per batch.
 """
 
 from __future__ import annotations
