@@ -199,30 +199,47 @@ def test_an_address_the_binding_refuses_is_a_transfer_error(direction, buffer_wo
         assert changed_pages(sides.destination(), expected, ITEM_LEN) == 0
 
 
+class HeldCall:
+    """A hook that holds an engine call, before it reaches Mooncake, until released (bounded)."""
+
+    def __init__(self) -> None:
+        self.entered = threading.Event()
+        self.released = threading.Event()
+
+    def __call__(self) -> None:
+        self.entered.set()
+        self.released.wait(WAIT_S)
+
+
+@contextlib.contextmanager
+def submit_in_a_thread(
+    transfer: MooncakeTransfer, plan: gp.TransferPlan, held: HeldCall
+) -> Iterator[concurrent.futures.Future[int]]:
+    """Submit `plan` on another thread; yield its future once the held call is reached.
+
+    The held call is released when the block exits, however it exits.
+    """
+    with concurrent.futures.ThreadPoolExecutor(1) as thread:
+        try:
+            submit = thread.submit(transfer.submit, plan)
+            assert held.entered.wait(WAIT_S)
+            yield submit
+        finally:
+            held.released.set()
+
+
 @pytest.mark.parametrize("direction", DIRECTIONS)
 def test_threads_sharing_a_transfer_each_get_their_own_time_bound(direction):
     # Thread A's first call is held (before it reaches Mooncake) until thread B has finished:
     # B's calls must not wait for A's worker, nor be cut off by A's stall.
     pages = page_request(NUM_PAGES, POOL_PAGES)
-    entered, release = threading.Event(), threading.Event()
-
-    def hold() -> None:
-        entered.set()
-        release.wait(WAIT_S)
-
+    held = HeldCall()
     with _sides(direction) as sides:
         plan = _plan(sides, pages)
-        engine = HookedEngine(sides.local.engine, at_call=0, hook=hold)
-        with (
-            sides.transfer(engine, sides.peer.session_id, batch_timeout_s=5.0) as shared,
-            concurrent.futures.ThreadPoolExecutor(1) as thread_a,
-        ):
-            submit_a = thread_a.submit(shared.submit, plan)
-            assert entered.wait(WAIT_S)
-            try:
+        engine = HookedEngine(sides.local.engine, at_call=0, hook=held)
+        with sides.transfer(engine, sides.peer.session_id, batch_timeout_s=5.0) as shared:
+            with submit_in_a_thread(shared, plan, held) as submit_a:
                 assert shared.submit(plan) == plan.total_bytes  # thread B: this one
-            finally:
-                release.set()
             assert submit_a.result(WAIT_S) == plan.total_bytes
         assert changed_pages(sides.destination(), _expected(sides, pages), ITEM_LEN) == 0
 
@@ -230,24 +247,16 @@ def test_threads_sharing_a_transfer_each_get_their_own_time_bound(direction):
 @pytest.mark.parametrize("direction", DIRECTIONS)
 def test_close_from_another_thread_stops_the_submit_before_its_next_batch(direction):
     pages = page_request(NUM_PAGES, POOL_PAGES)
-    entered, release = threading.Event(), threading.Event()
-
-    def hold() -> None:
-        entered.set()
-        release.wait(WAIT_S)
-
+    held = HeldCall()
     with _sides(direction) as sides:
         plan = _plan(sides, pages)
-        engine = HookedEngine(sides.local.engine, at_call=1, hook=hold)
+        engine = HookedEngine(sides.local.engine, at_call=1, hook=held)
         transfer = sides.transfer(engine, sides.peer.session_id, batch_timeout_s=30.0)
-        with concurrent.futures.ThreadPoolExecutor(1) as thread:
-            submit = thread.submit(transfer.submit, plan)
-            assert entered.wait(WAIT_S)
+        with submit_in_a_thread(transfer, plan, held) as submit:
             (call,) = transfer.close(timeout=0.05)  # batch 1's call, held: really running
             assert call.running()
-            release.set()
-            with pytest.raises(TransferError, match="closed") as caught:
-                submit.result(WAIT_S)
+        with pytest.raises(TransferError, match="closed") as caught:
+            submit.result(WAIT_S)
         assert call.done() and not call.cancelled() and call.result() == 0
         assert (caught.value.batch_index, caught.value.in_flight) == (2, ())
         assert caught.value.confirmed_bytes == _batch_bytes(plan, 2)
