@@ -1,10 +1,11 @@
 """The hand-off: descriptor arrays to a Mooncake 0.3.14 engine, lists when forced or unsupported.
 
 Two real processes with real 0.3.14 engines move a request in push
-(`MooncakeSender`) and pull (`MooncakeReader`) through the arrays path and,
-on the same engine with GPU_PLANNER_HANDOFF=lists, the list path; every byte
-is verified. A pass-through spy records which Mooncake method took each call
-and what it was given.
+(`MooncakeSender`) and pull (`MooncakeReader`), one call per batch or per
+buffer, through the arrays path and, on the same engine with
+GPU_PLANNER_HANDOFF=lists, the list path; every byte is verified. A
+pass-through spy records which Mooncake method took each call and what it
+was given.
 """
 
 from __future__ import annotations
@@ -13,10 +14,14 @@ import logging
 
 import numpy as np
 import pytest
-from mooncake_demo_support import decode_peer, prefill_peer, small_config
+from mooncake_peer import changed_pages, expected_after, page_request, two_sides
 
 import gpu_planner as gp
 from gpu_planner.integration.mooncake import MooncakeReader, MooncakeSender, handoff
+
+ITEM_LEN = 256
+POOL_PAGES = 96
+NBYTES = [POOL_PAGES * ITEM_LEN] * 4
 
 
 class SpyEngine:
@@ -62,32 +67,27 @@ def path(request, monkeypatch) -> str:
     return request.param
 
 
-@pytest.mark.parametrize("buffer_workers", [0, 3])
-def test_push_moves_every_byte(path: str, buffer_workers: int):
-    with decode_peer(small_config()) as peer:
-        assert hasattr(peer.engine, "batch_transfer_sync_write_arrays"), "test env needs 0.3.14"
-        plan = peer.plan_request(max_batch_pages=7)
-        engine = SpyEngine(peer.engine)
-        with MooncakeSender(engine, peer.session_id, buffer_workers=buffer_workers) as sender:
-            assert sender.handoff_path == path
-            assert sender.submit(plan) == plan.total_bytes
+@pytest.mark.parametrize(
+    ("direction", "buffer_workers"), [("push", 0), ("push", 3), ("pull", 0), ("pull", 3)]
+)
+def test_transfer_moves_every_byte(path: str, direction: str, buffer_workers: int):
+    src_pages, dst_pages, _ = page_request(64, POOL_PAGES, seed=2)
+    with two_sides(direction, NBYTES, NBYTES) as sides:
+        assert hasattr(sides.local.engine, "batch_transfer_sync_write_arrays"), "needs 0.3.14"
+        plan = gp.plan_transfer(src_pages, dst_pages, sides.layout(ITEM_LEN), max_batch_pages=7)
+        engine = SpyEngine(sides.local.engine)
+        with sides.transfer(
+            engine, sides.peer.session_id, buffer_workers=buffer_workers
+        ) as transfer:
+            assert transfer.handoff_path == path
+            assert transfer.submit(plan) == plan.total_bytes
         calls = len(list(plan.buffer_batches() if buffer_workers else plan.batches()))
         assert calls > 1
-        assert engine.calls == expected_calls(path, "write", calls)
-        verification = peer.prefill.finish(peer.request)
-    assert verification.ok, verification
-
-
-def test_pull_moves_every_byte(path: str):
-    with prefill_peer(small_config()) as peer:
-        plan = peer.plan_request(max_batch_pages=7)
-        engine = SpyEngine(peer.engine)
-        with MooncakeReader(engine, peer.session_id) as reader:
-            assert reader.handoff_path == path
-            assert reader.submit(plan) == plan.total_bytes
-        assert engine.calls == expected_calls(path, "read", len(list(plan.batches())))
-        verification = peer.decode.verify(peer.source.pages)
-    assert verification.ok, verification
+        assert engine.calls == expected_calls(path, transfer.direction, calls)
+        expected = expected_after(
+            sides.destination_initial(), sides.sources(), src_pages, [dst_pages] * 4, ITEM_LEN
+        )
+        assert changed_pages(sides.destination(), expected, ITEM_LEN) == 0
 
 
 def test_real_engine_paths(monkeypatch):
@@ -132,24 +132,6 @@ def small_plan(max_batch_pages: int = 3) -> gp.TransferPlan:
         [1 << 20, 2 << 20, 3 << 20], [5 << 20, 6 << 20, 7 << 20], [64, 64, 128]
     )
     return gp.plan_transfer(pages, pages[::-1].copy(), layout, max_batch_pages=max_batch_pages)
-
-
-def test_array_views_hold_the_list_descriptors():
-    plan = small_plan()
-    views = list(plan.batch_columns())
-    assert [[column.tolist() for column in batch] for batch in views] == [
-        list(batch) for batch in plan.batches()
-    ]
-    columns = plan.columns_array()
-    for batch in views:
-        for column in batch:
-            assert column.dtype == np.int64 and column.flags.c_contiguous
-            assert np.shares_memory(column, columns)  # a view: nothing copied
-    pieces = list(plan.buffer_batch_columns())
-    assert [
-        (p.batch, p.buffer, p.srcs.tolist(), p.dsts.tolist(), p.lens.tolist()) for p in pieces
-    ] == [tuple(piece) for piece in plan.buffer_batches()]
-    assert all(np.shares_memory(piece.srcs, columns) for piece in pieces)
 
 
 @pytest.mark.parametrize(("engine_type", "path"), [(WithArrays, "arrays"), (ListsOnly, "lists")])
