@@ -47,8 +47,8 @@ class BenchInput:
 
     case: BenchCase
     src_pages: np.ndarray
-    host_dst_pages: np.ndarray
-    device_dst_pages: np.ndarray | None
+    dst_pages: np.ndarray
+    dst_device_pages: np.ndarray | None
     src_ptrs: list[int]
     dst_ptrs: list[int]
     item_lens: list[int]
@@ -65,17 +65,17 @@ def make_input(case: BenchCase, seed: int) -> BenchInput:
     rng = np.random.default_rng([seed, case.tokens, case.page_size, int(case.mean_run * 1000)])
     num_pages = case.num_pages
     src_pages = fragmented_pages(num_pages, case.mean_run, rng, dtype=np.int32)
-    host_dst_pages = fragmented_pages(num_pages, case.mean_run, rng, dtype=np.int32)
+    dst_pages = fragmented_pages(num_pages, case.mean_run, rng, dtype=np.int32)
     is_device = device_buffer_mask(case.buffers, case.device_share)
-    device_dst_pages = (
+    dst_device_pages = (
         fragmented_pages(num_pages, case.mean_run, rng, dtype=np.int32) if any(is_device) else None
     )
     item_len = case.page_size * BYTES_PER_TOKEN
     return BenchInput(
         case=case,
         src_pages=src_pages,
-        host_dst_pages=host_dst_pages,
-        device_dst_pages=device_dst_pages,
+        dst_pages=dst_pages,
+        dst_device_pages=dst_device_pages,
         src_ptrs=[SRC_BASE + b * BUFFER_STRIDE for b in range(case.buffers)],
         dst_ptrs=[DST_BASE + b * BUFFER_STRIDE for b in range(case.buffers)],
         item_lens=[item_len] * case.buffers,

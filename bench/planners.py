@@ -117,10 +117,10 @@ class SglangPlanner(Planner):
                 bench_input.dst_ptrs,
                 bench_input.item_lens,
                 bench_input.src_pages,
-                bench_input.host_dst_pages,
+                bench_input.dst_pages,
                 executor=None,
                 force_flat=True,
-                dst_device_data_indices=bench_input.device_dst_pages,
+                dst_device_data_indices=bench_input.dst_device_pages,
                 dst_device_data_ptrs=self._device_ptrs or None,
             )
         if status != 0:
@@ -145,12 +145,12 @@ class ReferenceLoopPlanner(Planner):
         with bench_range("reference/plan_batches"):
             return gp.reference.plan_batches(
                 bench_input.src_pages,
-                bench_input.host_dst_pages,
+                bench_input.dst_pages,
                 bench_input.src_ptrs,
                 bench_input.dst_ptrs,
                 bench_input.item_lens,
                 dst_is_device=bench_input.dst_is_device,
-                dst_device_pages=bench_input.device_dst_pages,
+                dst_device_pages=bench_input.dst_device_pages,
                 max_batch_pages=bench_input.case.batch_pages,
             )
 
@@ -175,8 +175,8 @@ class GpuPlannerBackend(Planner):
 
     def prepare(self, bench_input: BenchInput) -> None:
         self._src = self._pages(bench_input.src_pages)
-        self._host_dst = self._pages(bench_input.host_dst_pages)
-        self._device_dst = self._pages(bench_input.device_dst_pages)
+        self._host_dst = self._pages(bench_input.dst_pages)
+        self._device_dst = self._pages(bench_input.dst_device_pages)
         self._max_batch_pages = bench_input.case.batch_pages
         self._layout = gp.BufferLayout(
             bench_input.src_ptrs,

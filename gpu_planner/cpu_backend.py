@@ -22,7 +22,11 @@ from typing import NamedTuple
 import numba
 import numpy as np
 
-from gpu_planner.inputs import PageList, as_host_array, raise_recorded_negative_page
+from gpu_planner.inputs import (
+    PageList,
+    as_host_array,
+    raise_recorded_negative_page,
+)
 from gpu_planner.kernels.status import (
     DST_SIDE,
     NO_ERROR,
@@ -77,11 +81,6 @@ class CpuPlan(NamedTuple):
     batch_run_offsets: list[np.ndarray]  # per space: first run of each batch, then the total
     batch_offsets: np.ndarray  # int64 [num_batches + 1]: first descriptor of each batch, then N
     columns: np.ndarray  # int64 [3, N]: src_addrs, dst_addrs, lengths
-
-
-def batch_page_count(num_pages: int, max_batch_pages: int) -> int:
-    """Pages per batch: the cut size, or all pages when batching is off (a Python int)."""
-    return int(max_batch_pages) if 0 < max_batch_pages < num_pages else max(num_pages, 1)
 
 
 @_compiled
@@ -219,7 +218,7 @@ _NO_BUFFERS = BufferLayout([], [], [])
 
 
 def _scan(
-    pages: dict[str, PageList], max_batch_pages: int, layout: BufferLayout
+    pages: dict[str, PageList], batch_pages: int, layout: BufferLayout
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """`_scan_pages` on the page lists, stacked in host memory; raise for a negative page.
 
@@ -230,7 +229,6 @@ def _scan(
     stacked = np.empty((len(pages), num_pages), dtype=np.int64)
     for row, values in zip(stacked, pages.values(), strict=True):
         row[:] = as_host_array(values)
-    batch_pages = batch_page_count(num_pages, max_batch_pages)
     tables = np.empty((2, 3, max(num_pages, 1)), dtype=np.int64)
     counts = np.empty((3, -(-num_pages // batch_pages) + 1), dtype=np.int64)
     status = new_status_array()
@@ -256,24 +254,22 @@ def _space_runs(tables: np.ndarray, counts: np.ndarray, num_spaces: int) -> list
     ]
 
 
-def group_runs(pages: dict[str, PageList], max_batch_pages: int) -> list[SpaceRuns]:
+def group_runs(pages: dict[str, PageList], batch_pages: int) -> list[SpaceRuns]:
     """Runs of every destination space; `pages` maps argument names to validated page lists.
 
     The first array is the source pages, then one destination array per space.
     """
-    tables, counts, _ = _scan(pages, max_batch_pages, _NO_BUFFERS)
+    tables, counts, _ = _scan(pages, batch_pages, _NO_BUFFERS)
     return _space_runs(tables, counts, len(pages) - 1)
 
 
-def plan_descriptors(
-    layout: BufferLayout, pages: dict[str, PageList], max_batch_pages: int
-) -> CpuPlan:
+def plan_descriptors(layout: BufferLayout, pages: dict[str, PageList], batch_pages: int) -> CpuPlan:
     """Plan one request; raise for a negative page or a descriptor past its buffer.
 
     `pages` maps argument names (src_pages, dst_pages and, for layouts with
     device-backed buffers, dst_device_pages) to validated page lists.
     """
-    tables, counts, status = _scan(pages, max_batch_pages, layout)
+    tables, counts, status = _scan(pages, batch_pages, layout)
     num_spaces = len(pages) - 1
     out_of_bounds = recorded_out_of_bounds(status, tables.shape[2])
     if out_of_bounds is not None:
@@ -301,4 +297,4 @@ def compile_kernels() -> None:
     kernel serves all inputs.
     """
     pages = np.arange(2, dtype=np.int64)
-    plan_descriptors(_NO_BUFFERS, {"src_pages": pages, "dst_pages": pages}, 0)
+    plan_descriptors(_NO_BUFFERS, {"src_pages": pages, "dst_pages": pages}, batch_pages=2)

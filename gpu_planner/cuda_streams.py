@@ -2,7 +2,7 @@
 
 Triton launches on `torch.cuda.current_device()` and its current stream, and
 a new thread starts on device 0, so every launch, allocation, copy and event
-of a plan runs under `on_device(pages' device)`. Reads of a finished plan run
+of a plan runs under `on_torch_device(pages' torch device)`. Reads of a finished plan run
 on a side stream of that device that waits on the plan's event alone, so a
 reader never waits for unrelated work queued on its own stream.
 """
@@ -22,40 +22,41 @@ _side_streams: dict[torch.device, torch.cuda.Stream] = {}
 _side_streams_lock = threading.Lock()
 
 
-def device_of(tensors: Sequence[torch.Tensor]) -> torch.device:
-    """The one device of `tensors`; mixed devices are a `PlanValidationError`."""
-    devices = {tensor.device for tensor in tensors}
-    if len(devices) > 1:
+def torch_device_of(tensors: Sequence[torch.Tensor]) -> torch.device:
+    """The one torch device of `tensors`; mixed torch devices are a `PlanValidationError`."""
+    torch_devices = {tensor.device for tensor in tensors}
+    if len(torch_devices) > 1:
         raise PlanValidationError(
-            f"tensors on {sorted(map(str, devices))}: one plan's tensors must share a device"
+            f"tensors on {sorted(map(str, torch_devices))}: one plan's tensors must share a "
+            "torch device"
         )
-    return devices.pop()
+    return torch_devices.pop()
 
 
 @contextlib.contextmanager
-def on_device(device: torch.device) -> Iterator[None]:
-    """Make `device` current for CUDA launches and allocations; nothing on the CPU."""
-    if device.type != "cuda":
+def on_torch_device(torch_device: torch.device) -> Iterator[None]:
+    """Make `torch_device` current for CUDA launches and allocations; nothing on the CPU."""
+    if torch_device.type != "cuda":
         yield
         return
-    with torch.cuda.device(device):
+    with torch.cuda.device(torch_device):
         yield
 
 
-def side_stream(device: torch.device) -> torch.cuda.Stream:
-    """This process's side stream on `device` (created once), for reading finished plans."""
-    index = torch.cuda.current_device() if device.index is None else device.index
-    device = torch.device("cuda", index)
+def side_stream(torch_device: torch.device) -> torch.cuda.Stream:
+    """This process's side stream on `torch_device` (created once), for reading finished plans."""
+    index = torch.cuda.current_device() if torch_device.index is None else torch_device.index
+    torch_device = torch.device("cuda", index)
     with _side_streams_lock:
-        if device not in _side_streams:
-            _side_streams[device] = torch.cuda.Stream(device=device)
-        return _side_streams[device]
+        if torch_device not in _side_streams:
+            _side_streams[torch_device] = torch.cuda.Stream(device=torch_device)
+        return _side_streams[torch_device]
 
 
 def copy_tables_to_device(
-    host_tables: dict[str, np.ndarray], device: torch.device
+    host_tables: dict[str, np.ndarray], torch_device: torch.device
 ) -> dict[str, torch.Tensor]:
-    """Per-buffer int64 tables on `device`, in one copy that is complete when this returns.
+    """Per-buffer int64 tables on `torch_device`, in one copy complete when this returns.
 
     The tables are packed into one pinned array and copied on the device's side
     stream; the host waits on that copy's event alone, once per layout and
@@ -68,13 +69,13 @@ def copy_tables_to_device(
     packed = torch.zeros((len(names), num_buffers + num_buffers % 2), dtype=torch.int64)
     for row, name in enumerate(names):
         packed[row, :num_buffers] = torch.from_numpy(np.asarray(host_tables[name], np.int64))
-    if device.type != "cuda":
+    if torch_device.type != "cuda":
         return {name: packed[row, :num_buffers] for row, name in enumerate(names)}
-    with torch.cuda.device(device):
-        stream = side_stream(device)
+    with torch.cuda.device(torch_device):
+        stream = side_stream(torch_device)
         with torch.cuda.stream(stream):
-            on_device_tables = packed.pin_memory().to(device, non_blocking=True)
+            gpu_tables = packed.pin_memory().to(torch_device, non_blocking=True)
             copied = torch.cuda.Event()
             copied.record(stream)
         copied.synchronize()
-    return {name: on_device_tables[row, :num_buffers] for row, name in enumerate(names)}
+    return {name: gpu_tables[row, :num_buffers] for row, name in enumerate(names)}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Literal
 
 import numpy as np
@@ -125,28 +126,56 @@ def check_same_length(first: PageList, first_name: str, other: PageList, name: s
         )
 
 
-def check_same_device(page_lists: dict[str, PageList]) -> torch.device:
-    devices = {
+def check_same_torch_device(page_lists: dict[str, PageList]) -> torch.device:
+    """The one torch device of `page_lists` (NumPy arrays are on the host)."""
+    torch_devices = {
         name: HOST if isinstance(pages, np.ndarray) else pages.device
         for name, pages in page_lists.items()
     }
-    first_name, device = next(iter(devices.items()))
-    for name, other in devices.items():
-        if other != device:
+    first_name, torch_device = next(iter(torch_devices.items()))
+    for name, other in torch_devices.items():
+        if other != torch_device:
             raise PlanValidationError(
-                f"{name}: is on {other} but {first_name} is on {device}; "
-                "all page lists must be on one device"
+                f"{name}: is on {other} but {first_name} is on {torch_device}; "
+                "all page lists must be on one torch device"
             )
-    return device
+    return torch_device
+
+
+def batch_page_count(num_pages: int, max_batch_pages: int) -> int:
+    """Pages per batch: the cut size, or all pages when batching is off (a Python int)."""
+    return int(max_batch_pages) if 0 < max_batch_pages < num_pages else max(num_pages, 1)
 
 
 PAGE_ARGUMENTS = tuple(NEGATIVE_PAGE_SLOTS)  # src_pages, dst_pages, dst_device_pages
 
 
+@dataclass(frozen=True)
+class PageRequest:
+    """One plan's validated page lists, where they live and how they are cut into batches."""
+
+    pages: dict[str, PageList]  # by argument name: src_pages, dst_pages[, dst_device_pages]
+    torch_device: torch.device
+    max_batch_pages: int  # the caller's cut (0 = none)
+    batch_pages: int  # pages per batch actually used (all pages when not cut)
+
+    @property
+    def num_pages(self) -> int:
+        return len(self.pages["src_pages"])
+
+    @property
+    def num_batches(self) -> int:
+        return -(-self.num_pages // self.batch_pages)
+
+
 def collect_pages(
-    src_pages: IndexLike, dst_pages: IndexLike, dst_device_pages: IndexLike | None
-) -> tuple[dict[str, PageList], torch.device]:
-    """Validated page lists by argument name (equal lengths, one device)."""
+    src_pages: IndexLike,
+    dst_pages: IndexLike,
+    dst_device_pages: IndexLike | None,
+    max_batch_pages: int = 0,
+) -> PageRequest:
+    """Validated page lists by argument name (equal lengths, one torch device) and batch cut."""
+    max_batch_pages = check_max_batch_pages(max_batch_pages)
     pages = {"src_pages": as_page_list(src_pages, "src_pages")}
     pages["dst_pages"] = as_page_list(dst_pages, "dst_pages")
     if dst_device_pages is not None:
@@ -154,7 +183,13 @@ def collect_pages(
     for name in PAGE_ARGUMENTS[1:]:
         if name in pages:
             check_same_length(pages["src_pages"], "src_pages", pages[name], name)
-    return pages, check_same_device(pages)
+    num_pages = len(pages["src_pages"])
+    return PageRequest(
+        pages,
+        check_same_torch_device(pages),
+        max_batch_pages,
+        batch_page_count(num_pages, max_batch_pages),
+    )
 
 
 def negative_page_error(name: str, position: int, value: int | None = None) -> PlanValidationError:
@@ -174,13 +209,13 @@ def raise_recorded_negative_page(status: np.ndarray, pages: np.ndarray | None = 
         raise negative_page_error(name, position, value)
 
 
-def resolve_backend(backend: Backend | None, device: torch.device) -> Backend:
+def resolve_backend(backend: Backend | None, torch_device: torch.device) -> Backend:
     """Auto: Triton on CUDA tensors, the compiled CPU backend on CPU tensors."""
     if backend is None:
-        return "triton" if device.type == "cuda" else "cpu"
+        return "triton" if torch_device.type == "cuda" else "cpu"
     if backend not in ("cpu", "triton"):
         raise PlanValidationError(f"backend: must be None, 'cpu' or 'triton', got {backend!r}")
-    if backend == "triton" and device.type != "cuda":
+    if backend == "triton" and torch_device.type != "cuda":
         from gpu_planner.kernels import interpreter_enabled
 
         if not interpreter_enabled():

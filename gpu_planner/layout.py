@@ -127,7 +127,7 @@ class BufferLayout:
                 ("dst", self.dst_ptrs, self.dst_lens),
             )
         }
-        self._device_tables: dict[torch.device, dict[str, torch.Tensor]] = {}
+        self._tables_by_torch_device: dict[torch.device, dict[str, torch.Tensor]] = {}
 
     def first_device_buffer(self) -> int | None:
         return int(self.space_buffers[DEVICE_SPACE][0]) if self.num_device_buffers else None
@@ -174,13 +174,13 @@ class BufferLayout:
             f"{pages} reach byte {end} past {side}_lens[{buffer}] = {limit}; {first_bad_page}{hint}"
         )
 
-    def tables(self, device: torch.device) -> dict[str, torch.Tensor]:
-        """Per-buffer int64 tables on `device`, copied once per device and cached.
+    def tables(self, torch_device: torch.device) -> dict[str, torch.Tensor]:
+        """Per-buffer int64 tables on `torch_device`, copied once per torch device and cached.
 
         The copy is complete when this returns (`copy_tables_to_device`), so
         plans on any stream of any thread may read the cached tables.
         """
-        if device not in self._device_tables:
+        if torch_device not in self._tables_by_torch_device:
             host_tables = {
                 "src_ptrs": self.src_ptrs,
                 "dst_ptrs": self.dst_ptrs,
@@ -191,8 +191,10 @@ class BufferLayout:
                 "src_lens": self.byte_limits("src"),
                 "dst_lens": self.byte_limits("dst"),
             }
-            self._device_tables[device] = copy_tables_to_device(host_tables, device)
-        return self._device_tables[device]
+            self._tables_by_torch_device[torch_device] = copy_tables_to_device(
+                host_tables, torch_device
+            )
+        return self._tables_by_torch_device[torch_device]
 
     def _check_length(self, name: str, values: np.ndarray) -> None:
         if len(values) != self.num_buffers:

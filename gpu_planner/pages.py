@@ -7,13 +7,13 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from gpu_planner.cuda_streams import on_device
+from gpu_planner.cuda_streams import on_torch_device
 from gpu_planner.errors import PlanValidationError
 from gpu_planner.inputs import Backend, IndexLike, as_index_tensor, check_page_size, resolve_backend
 
 
 class PageIndices(NamedTuple):
-    """A request's pages in the host space and in the device space (same length)."""
+    """A request's pages in the host page space and in the device page space (same length)."""
 
     host: torch.Tensor | np.ndarray
     device: torch.Tensor | np.ndarray
@@ -38,8 +38,19 @@ def kv_to_page_indices(
 ) -> torch.Tensor | np.ndarray:
     """`kv_slots[::page_size] // page_size`: the page of each page's first token slot.
 
-    Same device and dtype as the input (NumPy in, NumPy out). On CUDA the
-    Triton kernel converts without any host synchronisation.
+    Args:
+        kv_slots: int32/int64 [num_tokens] token slots (torch tensor on any
+            torch device, or NumPy array; any stride).
+        page_size: tokens per page (int >= 1).
+        backend: None picks Triton for CUDA tensors, the CPU path otherwise.
+
+    Returns:
+        [ceil(num_tokens / page_size)] pages, same dtype and torch device as the
+        input (NumPy in, NumPy out). On CUDA one kernel launch, no host sync.
+
+    Example:
+        >>> gp.kv_to_page_indices(torch.tensor([128, 129, 130, 64]), 2)
+        tensor([64, 65])
     """
     page_size = check_page_size(page_size)
     slots = as_index_tensor(kv_slots, "kv_slots")
@@ -49,8 +60,8 @@ def kv_to_page_indices(
         )
     from gpu_planner.kernels.page_indices import launch_page_indices
 
-    with on_device(slots.device):
-        pages, _ = launch_page_indices(slots, None, 0, slots.numel(), page_size)
+    with on_torch_device(slots.device):
+        _, pages = launch_page_indices(None, slots, 0, slots.numel(), page_size)
     return _like_input(pages, kv_slots)
 
 
@@ -62,32 +73,49 @@ def page_indices(
     page_size: int,
     backend: Backend | None = None,
 ) -> PageIndices:
-    """Host and device pages of tokens [start, end) of one request, in one kernel launch.
+    """Host-space and device-space pages of tokens [start, end) of one request, in one launch.
 
-    Device pages come from the request's `req_to_token` row (logical pages),
-    host pages from its host slot tensor; the two page ids differ and each
-    buffer must be planned with the space it lives in.
+    HiSparse decode workers have two destination page spaces whose page ids
+    differ: device-space pages come from the request's `req_to_token` row
+    (logical pages), host-space pages from its host slot tensor. Each buffer
+    must be planned with the space it lives in (`BufferLayout.dst_is_device`).
+
+    Args:
+        req_to_token_row: int32/int64 [>= end] device-space token slots.
+        host_slots: int32/int64 [>= end] host-space token slots, same torch device.
+        start, end: the token range, 0 <= start <= end.
+        page_size: tokens per page (int >= 1).
+        backend: None picks Triton for CUDA tensors, the CPU path otherwise.
+
+    Returns:
+        `PageIndices(host, device)`, each [ceil((end - start) / page_size)],
+        dtype and kind of its input.
+
+    Example:
+        >>> gp.page_indices(torch.arange(8), torch.arange(100, 108), 0, 8, 4)
+        PageIndices(host=tensor([25, 26]), device=tensor([0, 1]))
     """
     page_size = check_page_size(page_size)
     device_slots = as_index_tensor(req_to_token_row, "req_to_token_row")
-    host = as_index_tensor(host_slots, "host_slots")
-    if host.device != device_slots.device:
+    host_slot_tensor = as_index_tensor(host_slots, "host_slots")
+    if host_slot_tensor.device != device_slots.device:
         raise PlanValidationError(
-            f"host_slots: is on {host.device} but req_to_token_row is on {device_slots.device}"
+            f"host_slots: is on {host_slot_tensor.device} but req_to_token_row is on "
+            f"{device_slots.device}"
         )
+    _check_token_range(start, end, host_slot_tensor, "host_slots")
     _check_token_range(start, end, device_slots, "req_to_token_row")
-    _check_token_range(start, end, host, "host_slots")
     if resolve_backend(backend, device_slots.device) == "cpu":
-        device_pages = torch.div(
-            device_slots[start:end:page_size], page_size, rounding_mode="floor"
+        host_pages, device_pages = (
+            torch.div(slots[start:end:page_size], page_size, rounding_mode="floor")
+            for slots in (host_slot_tensor, device_slots)
         )
-        host_pages = torch.div(host[start:end:page_size], page_size, rounding_mode="floor")
     else:
         from gpu_planner.kernels.page_indices import launch_page_indices
 
-        with on_device(device_slots.device):
-            device_pages, host_pages = launch_page_indices(
-                device_slots, host, start, end, page_size
+        with on_torch_device(device_slots.device):
+            host_pages, device_pages = launch_page_indices(
+                host_slot_tensor, device_slots, start, end, page_size
             )
     return PageIndices(
         host=_like_input(host_pages, host_slots), device=_like_input(device_pages, req_to_token_row)

@@ -25,16 +25,16 @@ def _as_numpy(pages: torch.Tensor | np.ndarray) -> np.ndarray:
 class PendingPageIndices:
     """A request's host- and device-space pages, computed, and copied to host memory.
 
-    `on_device` holds the pages where they were computed (plan with them on
-    that device); `wait()` and `numpy()` return the host copies once the copy
-    event has completed.
+    `computed` holds the pages on the torch device that computed them (plan
+    with them there); `wait()` and `numpy()` return their copies in host
+    memory once the copy event has completed.
     """
 
     def __init__(
-        self, on_device: PageIndices, host: PageIndices, copied: torch.cuda.Event | None
+        self, computed: PageIndices, copies: PageIndices, copied: torch.cuda.Event | None
     ) -> None:
-        self.on_device = on_device
-        self._host = host
+        self.computed = computed
+        self._copies = copies  # in host memory, complete once `copied` has
         self._copied = copied
 
     def ready(self) -> bool:
@@ -42,15 +42,15 @@ class PendingPageIndices:
         return self._copied is None or self._copied.query()
 
     def wait(self) -> PageIndices:
-        """The host pages (CPU tensors; NumPy arrays for NumPy input), after the copy event."""
+        """Both spaces' pages in host memory (CPU tensors; NumPy for NumPy input), once copied."""
         if self._copied is not None:
             self._copied.synchronize()
-        return self._host
+        return self._copies
 
     def numpy(self) -> PageIndices:
-        """The host pages as NumPy arrays (views of the host copies), after the copy event."""
-        host = self.wait()
-        return PageIndices(host=_as_numpy(host.host), device=_as_numpy(host.device))
+        """Both spaces' pages as NumPy arrays (views of the host-memory copies), once copied."""
+        copies = self.wait()
+        return PageIndices(host=_as_numpy(copies.host), device=_as_numpy(copies.device))
 
 
 def page_indices_async(
@@ -61,18 +61,17 @@ def page_indices_async(
     page_size: int,
     backend: Backend | None = None,
 ) -> PendingPageIndices:
-    """`page_indices` whose host copies arrive in the background: `.wait()` / `.numpy()`.
+    """`page_indices` whose copies in host memory arrive in the background.
 
-    Same arguments, checks and results as `gp.page_indices`. On CUDA it is one
+    Same arguments, checks and results as `gp.page_indices`; read the copies
+    with `.wait()` / `.numpy()`, plan on the torch device with `.computed`. On CUDA it is one
     kernel launch, then one pinned copy per space and an event, all on the
     current stream of the slots' device (whatever device is current in the
     calling thread): the copy follows the kernel, which follows the work that
     wrote the slots. On CPU the result is complete when this returns.
     """
     pages = page_indices(req_to_token_row, host_slots, start, end, page_size, backend)
-    (host, device), copied = copy_to_host_async(
-        [torch.as_tensor(pages.host), torch.as_tensor(pages.device)]
-    )
+    copies, copied = copy_to_host_async([torch.as_tensor(space) for space in pages])
     if copied is None:
         return PendingPageIndices(pages, pages, None)
-    return PendingPageIndices(pages, PageIndices(host=host, device=device), copied)
+    return PendingPageIndices(pages, PageIndices(*copies), copied)

@@ -12,13 +12,12 @@ import numpy as np
 import torch
 
 from gpu_planner import cpu_backend
-from gpu_planner.cuda_streams import on_device, side_stream
+from gpu_planner.cuda_streams import on_torch_device, side_stream
 from gpu_planner.errors import PlanValidationError
 from gpu_planner.inputs import (
     Backend,
     IndexLike,
     PageList,
-    check_max_batch_pages,
     collect_pages,
     resolve_backend,
 )
@@ -120,7 +119,7 @@ class TransferPlan:
         from gpu_planner.kernels.expand_descriptors import launch_expand_descriptors
 
         runs, layout = launched.runs, self.layout
-        with on_device(launched.torch_device), _reading_stream(launched) as stream:
+        with on_torch_device(launched.torch_device), _reading_stream(launched) as stream:
             with nvtx_range("materialize/read_counts"):
                 _, batch_run_offsets = read_device_counts(runs, stream)
             run_counts = [int(offsets[-1]) for offsets in batch_run_offsets]
@@ -290,8 +289,8 @@ def plan_transfer(
     `dst_pages`. With `max_batch_pages > 0` the pages are cut into batches of
     that many pages (one Mooncake call each); runs never cross a cut.
     """
-    pages, device = collect_pages(src_pages, dst_pages, dst_device_pages)
-    check_max_batch_pages(max_batch_pages)
+    request = collect_pages(src_pages, dst_pages, dst_device_pages, max_batch_pages)
+    pages = request.pages
     first_device_buffer = layout.first_device_buffer()
     if first_device_buffer is not None and dst_device_pages is None:
         raise PlanValidationError(
@@ -300,19 +299,15 @@ def plan_transfer(
         )
     if not layout.num_device_buffers:
         pages.pop("dst_device_pages", None)
-    num_pages = len(pages["src_pages"])
-    batch_pages = cpu_backend.batch_page_count(num_pages, max_batch_pages)
-    num_batches = -(-num_pages // batch_pages)
-    if resolve_backend(backend, device) == "cpu":
+    if resolve_backend(backend, request.torch_device) == "cpu":
         with nvtx_range("plan_transfer/cpu"):
-            planned = cpu_backend.plan_descriptors(layout, pages, max_batch_pages)
+            planned = cpu_backend.plan_descriptors(layout, pages, request.batch_pages)
         host = HostDescriptors(planned.columns, planned.batch_offsets, planned.batch_run_offsets)
-        return TransferPlan.from_host(layout, num_batches, host)
+        return TransferPlan.from_host(layout, request.num_batches, host)
     with nvtx_range("plan_transfer/kernels"):
-        plan = TransferPlan.from_launched(
-            layout, num_batches, _launch(layout, pages, batch_pages, device)
-        )
-    if device.type != "cuda":
+        launched = _launch(layout, pages, request.batch_pages, request.torch_device)
+        plan = TransferPlan.from_launched(layout, request.num_batches, launched)
+    if request.torch_device.type != "cuda":
         plan.materialize()
     return plan
 
@@ -328,7 +323,7 @@ def _launch(
             f"layout: {layout.num_buffers} buffers; the Triton backend plans at most "
             f"{MAX_GRID_Y} (one grid row each), use backend='cpu'"
         )
-    with on_device(torch_device):
+    with on_torch_device(torch_device):
         runs = launch_runs(pages, batch_pages)
         done = None
         if torch_device.type == "cuda" and not torch.cuda.is_current_stream_capturing():

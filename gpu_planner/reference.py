@@ -75,15 +75,15 @@ def plan_batches(
         srcs: list[int] = []
         dsts: list[int] = []
         lens: list[int] = []
-        for buffer, (src_ptr, dst_ptr, item_len, on_device) in enumerate(
+        for buffer, (src_ptr, dst_ptr, item_len, device_space) in enumerate(
             zip(src_ptrs, dst_ptrs, item_lens, is_device, strict=True)
         ):
-            if on_device and device_runs is None:
+            if device_space and device_runs is None:
                 raise ValueError("a device-backed buffer needs dst_device_pages")
             src_ptr, dst_ptr, item_len = int(src_ptr), int(dst_ptr), int(item_len)
             src_limit = _byte_limit(registered["src"], buffer, src_ptr)
             dst_limit = _byte_limit(registered["dst"], buffer, dst_ptr)
-            for src_start, dst_start, run_pages in device_runs if on_device else host_runs:
+            for src_start, dst_start, run_pages in device_runs if device_space else host_runs:
                 src_offset, dst_offset = src_start * item_len, dst_start * item_len
                 length = item_len * run_pages
                 if dst_offset + length > dst_limit:

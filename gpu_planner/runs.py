@@ -9,13 +9,12 @@ import numpy as np
 import torch
 
 from gpu_planner import cpu_backend
-from gpu_planner.cuda_streams import on_device
+from gpu_planner.cuda_streams import on_torch_device
 from gpu_planner.inputs import (
     Backend,
     IndexLike,
     PageList,
     as_tensor,
-    check_max_batch_pages,
     collect_pages,
     raise_recorded_negative_page,
     resolve_backend,
@@ -60,20 +59,16 @@ def group_runs(
     This reads the run counts back to the host to return exact tensors; the
     planner itself (`plan_transfer`) keeps them on the device.
     """
-    pages, device = collect_pages(src_pages, dst_pages, dst_device_pages)
-    check_max_batch_pages(max_batch_pages)
-    num_pages = len(pages["src_pages"])
-    batch_pages = cpu_backend.batch_page_count(num_pages, max_batch_pages)
-    num_batches = -(-num_pages // batch_pages)
-    if resolve_backend(backend, device) == "cpu":
-        spaces = cpu_backend.group_runs(pages, max_batch_pages)
-        run_lists = [_run_list_from_host(space, device) for space in spaces]
+    request = collect_pages(src_pages, dst_pages, dst_device_pages, max_batch_pages)
+    if resolve_backend(backend, request.torch_device) == "cpu":
+        spaces = cpu_backend.group_runs(request.pages, request.batch_pages)
+        run_lists = [_run_list_from_host(space, request.torch_device) for space in spaces]
     else:
-        run_lists = _group_runs_with_kernels(pages, batch_pages)
+        run_lists = _group_runs_with_kernels(request.pages, request.batch_pages)
     return Runs(
         host=run_lists[0],
         device=run_lists[1] if len(run_lists) > 1 else None,
-        num_batches=num_batches,
+        num_batches=request.num_batches,
     )
 
 
@@ -93,13 +88,13 @@ def read_device_counts(
     return metadata[:NUM_SLOTS], list(metadata[NUM_SLOTS:].reshape(runs.num_spaces, -1))
 
 
-def _run_list_from_host(space: cpu_backend.SpaceRuns, device: torch.device) -> RunList:
+def _run_list_from_host(space: cpu_backend.SpaceRuns, torch_device: torch.device) -> RunList:
     return RunList(
         *(
-            torch.from_numpy(np.ascontiguousarray(values)).to(device)
+            torch.from_numpy(np.ascontiguousarray(values)).to(torch_device)
             for values in (space.src_starts, space.dst_starts, space.lengths)
         ),
-        batch_run_offsets=torch.from_numpy(space.batch_run_offsets).to(device),
+        batch_run_offsets=torch.from_numpy(space.batch_run_offsets).to(torch_device),
     )
 
 
@@ -114,7 +109,7 @@ def launch_runs(pages: dict[str, PageList], batch_pages: int) -> DeviceRuns:
 
 
 def _group_runs_with_kernels(pages: dict[str, PageList], batch_pages: int) -> list[RunList]:
-    with on_device(as_tensor(pages["src_pages"]).device):
+    with on_torch_device(as_tensor(pages["src_pages"]).device):
         runs = launch_runs(pages, batch_pages)
         _, batch_run_offsets = read_device_counts(runs)
     run_counts = [int(offsets[-1]) for offsets in batch_run_offsets]

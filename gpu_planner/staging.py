@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from gpu_planner.cuda_streams import device_of
+from gpu_planner.cuda_streams import torch_device_of
 
 ALIGN_BYTES = 16  # each tensor of a multi-tensor copy starts at this alignment
 MIN_BLOCK_BYTES = 4096
@@ -113,13 +113,13 @@ class PinnedStaging:
         The copies and their event run on `stream` (default: the current stream
         of the sources' device). Read the host tensors once the event has completed.
         """
-        device = device_of(sources)
+        torch_device = torch_device_of(sources)
         sizes = [source.numel() * source.element_size() for source in sources]
         offsets = [0]
         for nbytes in sizes:
             offsets.append(offsets[-1] + -(-nbytes // ALIGN_BYTES) * ALIGN_BYTES)
         hosts = []
-        with torch.cuda.device(device):
+        with torch.cuda.device(torch_device):
             block = self.take(offsets[-1])
             block_array = block.array[:]  # this copy's view: its death returns the block
             stream = torch.cuda.current_stream() if stream is None else stream
@@ -198,6 +198,6 @@ def copy_to_host_async(
     (default: the current stream of the sources' device); on CPU the sources
     are returned as they are.
     """
-    if device_of(sources).type != "cuda":
+    if torch_device_of(sources).type != "cuda":
         return list(sources), None
     return _staging.copy_to_host_async(sources, stream)

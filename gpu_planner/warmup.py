@@ -15,7 +15,7 @@ import itertools
 
 import torch
 
-from gpu_planner.cuda_streams import on_device, side_stream
+from gpu_planner.cuda_streams import on_torch_device, side_stream
 from gpu_planner.layout import BufferLayout
 
 PAGE_DTYPES = (torch.int32, torch.int64)
@@ -45,7 +45,7 @@ def warmup(torch_device: torch.device | str | int | None = None) -> int:
         return 0
     if torch_device.index is None:
         torch_device = torch.device("cuda", torch.cuda.current_device())
-    with on_device(torch_device):
+    with on_torch_device(torch_device):
         side_stream(torch_device)
         return warm_up_kernels(torch_device)
 
@@ -68,7 +68,7 @@ def warm_up_kernels(torch_device: torch.device) -> int:
     for device_dtype in PAGE_DTYPES:
         for host_dtype in (None, *PAGE_DTYPES):
             host_slots = None if host_dtype is None else pages(host_dtype)
-            launch_page_indices(pages(device_dtype), host_slots, 0, 2, 1)
+            launch_page_indices(host_slots, pages(device_dtype), 0, 2, 1)
             launches += 1
     layouts = {
         False: BufferLayout([0], [0], [1]),

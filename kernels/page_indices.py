@@ -1,4 +1,8 @@
-"""Token slots -> page indices for the device and host page spaces in one launch."""
+"""Token slots -> page indices for the host and device page spaces in one launch.
+
+Everything is ordered (host, device), as in `gp.PageIndices`; the host space is
+optional (`kv_to_page_indices` converts one slot tensor, as the device space).
+"""
 
 from __future__ import annotations
 
@@ -22,21 +26,21 @@ def _floor_div(numerator, denominator):
 # request), and the caller's slot tensors may be views at any address.
 @triton.jit(
     do_not_specialize=[
-        "device_slots_stride",
         "host_slots_stride",
+        "device_slots_stride",
         "start_token",
         "num_pages",
         "page_size",
     ],
-    do_not_specialize_on_alignment=["device_slots_ptr", "host_slots_ptr"],
+    do_not_specialize_on_alignment=["host_slots_ptr", "device_slots_ptr"],
 )
 def _page_indices_kernel(
-    device_slots_ptr,  # int32/int64 [*]: the req_to_token row (device page space)
-    device_slots_stride: tl.int64,  # its element stride
     host_slots_ptr,  # int32/int64 [*]: the host slot tensor (unused without HAS_HOST)
     host_slots_stride: tl.int64,  # its element stride
-    device_pages_ptr,  # out, dtype of device_slots [num_pages]
+    device_slots_ptr,  # int32/int64 [*]: the req_to_token row (device page space)
+    device_slots_stride: tl.int64,  # its element stride
     host_pages_ptr,  # out, dtype of host_slots [num_pages]
+    device_pages_ptr,  # out, dtype of device_slots [num_pages]
     start_token: tl.int64,  # first token of the range
     num_pages: tl.int64,  # pages in the range: cdiv(end - start, page_size)
     page_size: tl.int64,  # tokens per page
@@ -46,23 +50,23 @@ def _page_indices_kernel(
     page = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     page_in_range = page < num_pages
     token = start_token + page * page_size
+    if HAS_HOST:
+        host_slot = tl.load(host_slots_ptr + token * host_slots_stride, mask=page_in_range, other=0)
+        tl.store(host_pages_ptr + page, _floor_div(host_slot, page_size), mask=page_in_range)
     device_slot = tl.load(
         device_slots_ptr + token * device_slots_stride, mask=page_in_range, other=0
     )
     tl.store(device_pages_ptr + page, _floor_div(device_slot, page_size), mask=page_in_range)
-    if HAS_HOST:
-        host_slot = tl.load(host_slots_ptr + token * host_slots_stride, mask=page_in_range, other=0)
-        tl.store(host_pages_ptr + page, _floor_div(host_slot, page_size), mask=page_in_range)
 
 
 def launch_page_indices(
-    device_slots: torch.Tensor,
     host_slots: torch.Tensor | None,
+    device_slots: torch.Tensor,
     start: int,
     end: int,
     page_size: int,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Pages of tokens [start, end) with step `page_size` for one or two slot tensors.
+) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """(host pages or None, device pages) of tokens [start, end) with step `page_size`.
 
     Launches on the current CUDA device and stream: the caller guards the device.
     """
@@ -74,16 +78,16 @@ def launch_page_indices(
     if num_pages:
         host_source = device_slots if host_slots is None else host_slots
         _page_indices_kernel[(PAGES.num_programs(num_pages),)](
-            device_slots,
-            device_slots.stride(0),
             host_source,
             host_source.stride(0),
-            device_pages,
+            device_slots,
+            device_slots.stride(0),
             device_pages if host_pages is None else host_pages,
+            device_pages,
             start,
             num_pages,
             page_size,
             HAS_HOST=host_slots is not None,
             **PAGES.launch_options(),
         )
-    return device_pages, host_pages
+    return host_pages, device_pages

@@ -20,18 +20,28 @@ from gpu_planner.kernels.status import NEGATIVE_PAGE_SLOTS, NO_ERROR, NUM_SLOTS
 # The status slots of the first negative page of each page list (kernels/status.py),
 # relative to the source pages' slot, which the count kernel receives.
 _SRC_SLOT = NEGATIVE_PAGE_SLOTS["src_pages"]
-_HOST_DST_SLOT = tl.constexpr(NEGATIVE_PAGE_SLOTS["dst_pages"] - _SRC_SLOT)
-_DEVICE_DST_SLOT = tl.constexpr(NEGATIVE_PAGE_SLOTS["dst_device_pages"] - _SRC_SLOT)
+_DST_SLOT = tl.constexpr(NEGATIVE_PAGE_SLOTS["dst_pages"] - _SRC_SLOT)
+_DST_DEVICE_SLOT = tl.constexpr(NEGATIVE_PAGE_SLOTS["dst_device_pages"] - _SRC_SLOT)
 _NO_ERROR = tl.constexpr(NO_ERROR)
 
 # Page pointers may be views at any address; sizes and counts are never specialised.
-PAGE_POINTERS = ["src_ptr", "host_dst_ptr", "device_dst_ptr"]
-PAGE_STRIDES = ["src_stride", "host_dst_stride", "device_dst_stride"]
+PAGE_POINTERS = ["src_pages_ptr", "dst_pages_ptr", "dst_device_pages_ptr"]
+PAGE_STRIDES = ["src_pages_stride", "dst_pages_stride", "dst_device_pages_stride"]
 
 
 @triton.jit
 def _load_pages(pages_ptr, stride, page, mask):
     return tl.load(pages_ptr + page.to(tl.int64) * stride, mask=mask, other=0).to(tl.int64)
+
+
+@triton.jit
+def _block_source_pages(src_pages_ptr, src_pages_stride, num_pages, BLOCK: tl.constexpr):
+    """This program's pages: (page, page in range, its source page, the previous source page)."""
+    page = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    page_in_range = page < num_pages
+    src = _load_pages(src_pages_ptr, src_pages_stride, page, page_in_range)
+    prev_src = _load_pages(src_pages_ptr, src_pages_stride, page - 1, page_in_range & (page > 0))
+    return page, page_in_range, src, prev_src
 
 
 @triton.jit
@@ -54,12 +64,12 @@ def _record_first_negative(status_slot_ptr, pages, page, page_in_range):
     do_not_specialize_on_alignment=PAGE_POINTERS,
 )
 def _count_runs_kernel(
-    src_ptr,  # int32/int64 [num_pages]: source pages
-    src_stride: tl.int64,  # element stride of src
-    host_dst_ptr,  # int32/int64 [num_pages]: host-space destination pages
-    host_dst_stride: tl.int64,
-    device_dst_ptr,  # int32/int64 [num_pages]: device-space destination pages (or host's)
-    device_dst_stride: tl.int64,
+    src_pages_ptr,  # int32/int64 [num_pages]: source pages
+    src_pages_stride: tl.int64,  # element stride of src
+    dst_pages_ptr,  # int32/int64 [num_pages]: host-space destination pages
+    dst_pages_stride: tl.int64,
+    dst_device_pages_ptr,  # int32/int64 [num_pages]: device-space destination pages (or host's)
+    dst_device_pages_stride: tl.int64,
     block_counts_ptr,  # out, int64 [spaces, num_blocks]: run starts per block
     first_negative_ptr,  # int64 status slots: first negative src, host dst, device dst page
     num_pages: tl.int64,
@@ -70,24 +80,29 @@ def _count_runs_kernel(
 ):
     """Run starts per block and space; first negative src, host dst, device dst page."""
     block = tl.program_id(0)
-    page = block.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    page_in_range = page < num_pages
-    src = _load_pages(src_ptr, src_stride, page, page_in_range)
-    prev_src = _load_pages(src_ptr, src_stride, page - 1, page_in_range & (page > 0))
+    page, page_in_range, src, prev_src = _block_source_pages(
+        src_pages_ptr, src_pages_stride, num_pages, BLOCK
+    )
     _record_first_negative(first_negative_ptr, src, page, page_in_range)
 
-    host_starts, host_dst = _run_start_flags(
-        src, prev_src, host_dst_ptr, host_dst_stride, page, page_in_range, batch_pages
+    host_starts, dst = _run_start_flags(
+        src, prev_src, dst_pages_ptr, dst_pages_stride, page, page_in_range, batch_pages
     )
     tl.store(block_counts_ptr + block, tl.sum(host_starts.to(tl.int64), axis=0))
-    _record_first_negative(first_negative_ptr + _HOST_DST_SLOT, host_dst, page, page_in_range)
+    _record_first_negative(first_negative_ptr + _DST_SLOT, dst, page, page_in_range)
     if HAS_DEVICE:
-        device_starts, device_dst = _run_start_flags(
-            src, prev_src, device_dst_ptr, device_dst_stride, page, page_in_range, batch_pages
+        device_starts, dst_device = _run_start_flags(
+            src,
+            prev_src,
+            dst_device_pages_ptr,
+            dst_device_pages_stride,
+            page,
+            page_in_range,
+            batch_pages,
         )
         tl.store(block_counts_ptr + num_blocks + block, tl.sum(device_starts.to(tl.int64), axis=0))
         _record_first_negative(
-            first_negative_ptr + _DEVICE_DST_SLOT, device_dst, page, page_in_range
+            first_negative_ptr + _DST_DEVICE_SLOT, dst_device, page, page_in_range
         )
 
 
@@ -157,12 +172,12 @@ def _scatter_space_runs(
     do_not_specialize_on_alignment=PAGE_POINTERS,
 )
 def _scatter_runs_kernel(
-    src_ptr,  # int32/int64 [num_pages]: source pages
-    src_stride: tl.int64,
-    host_dst_ptr,  # int32/int64 [num_pages]: host-space destination pages
-    host_dst_stride: tl.int64,
-    device_dst_ptr,  # int32/int64 [num_pages]: device-space destination pages (or host's)
-    device_dst_stride: tl.int64,
+    src_pages_ptr,  # int32/int64 [num_pages]: source pages
+    src_pages_stride: tl.int64,
+    dst_pages_ptr,  # int32/int64 [num_pages]: host-space destination pages
+    dst_pages_stride: tl.int64,
+    dst_device_pages_ptr,  # int32/int64 [num_pages]: device-space destination pages (or host's)
+    dst_device_pages_stride: tl.int64,
     block_offsets_ptr,  # int64 [spaces, num_blocks]: runs before each block
     page_starts_ptr,  # out, int64 [spaces, capacity]: first page of each run
     page_ends_ptr,  # out, int64 [spaces, capacity]: one past its last page
@@ -178,17 +193,16 @@ def _scatter_runs_kernel(
     BLOCK: tl.constexpr,  # pages per program
 ):
     block = tl.program_id(0)
-    page = block.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    page_in_range = page < num_pages
-    src = _load_pages(src_ptr, src_stride, page, page_in_range)
-    prev_src = _load_pages(src_ptr, src_stride, page - 1, page_in_range & (page > 0))
-    next_src = _load_pages(src_ptr, src_stride, page + 1, page + 1 < num_pages)
+    page, page_in_range, src, prev_src = _block_source_pages(
+        src_pages_ptr, src_pages_stride, num_pages, BLOCK
+    )
+    next_src = _load_pages(src_pages_ptr, src_pages_stride, page + 1, page + 1 < num_pages)
     _scatter_space_runs(
         src,
         prev_src,
         next_src,
-        host_dst_ptr,
-        host_dst_stride,
+        dst_pages_ptr,
+        dst_pages_stride,
         page,
         page_in_range,
         num_pages,
@@ -205,8 +219,8 @@ def _scatter_runs_kernel(
             src,
             prev_src,
             next_src,
-            device_dst_ptr,
-            device_dst_stride,
+            dst_device_pages_ptr,
+            dst_device_pages_stride,
             page,
             page_in_range,
             num_pages,
@@ -256,14 +270,14 @@ class DeviceRuns:
         return self.metadata[NUM_SLOTS:].view(self.num_spaces, self.num_batches + 1)
 
 
-def _int64_rows(rows: int, columns: int, device: torch.device) -> torch.Tensor:
-    return torch.empty((rows, columns), dtype=torch.int64, device=device)
+def _int64_rows(rows: int, columns: int, torch_device: torch.device) -> torch.Tensor:
+    return torch.empty((rows, columns), dtype=torch.int64, device=torch_device)
 
 
 def launch_group_runs(
     src_pages: torch.Tensor,
-    host_dst_pages: torch.Tensor,
-    device_dst_pages: torch.Tensor | None,
+    dst_pages: torch.Tensor,
+    dst_device_pages: torch.Tensor | None,
     batch_pages: int,
 ) -> DeviceRuns:
     """Group runs for one or two destination spaces: one fill, three kernels, no host read.
@@ -271,20 +285,23 @@ def launch_group_runs(
     Launches on the current CUDA device and stream: the caller guards the device.
     """
     num_pages = src_pages.numel()
-    num_spaces = 1 if device_dst_pages is None else 2
+    num_spaces = 1 if dst_device_pages is None else 2
     num_batches = triton.cdiv(num_pages, batch_pages)
-    device = src_pages.device
+    torch_device = src_pages.device
     capacity = max(num_pages, 1)
 
     # One fill: the status slots start empty; the kernels write every batch offset.
     metadata = torch.full(
-        (NUM_SLOTS + num_spaces * (num_batches + 1),), NO_ERROR, dtype=torch.int64, device=device
+        (NUM_SLOTS + num_spaces * (num_batches + 1),),
+        NO_ERROR,
+        dtype=torch.int64,
+        device=torch_device,
     )
     runs = DeviceRuns(
-        page_starts=_int64_rows(num_spaces, capacity, device),
-        page_ends=_int64_rows(num_spaces, capacity, device),
-        src_starts=_int64_rows(num_spaces, capacity, device),
-        dst_starts=_int64_rows(num_spaces, capacity, device),
+        page_starts=_int64_rows(num_spaces, capacity, torch_device),
+        page_ends=_int64_rows(num_spaces, capacity, torch_device),
+        src_starts=_int64_rows(num_spaces, capacity, torch_device),
+        dst_starts=_int64_rows(num_spaces, capacity, torch_device),
         metadata=metadata,
         num_pages=num_pages,
         num_batches=num_batches,
@@ -294,18 +311,18 @@ def launch_group_runs(
         runs.batch_run_offsets.zero_()
         return runs
     num_blocks = PAGES.num_programs(num_pages)
-    block_counts = _int64_rows(num_spaces, num_blocks, device)
-    block_offsets = _int64_rows(num_spaces, num_blocks, device)
-    device_dst = host_dst_pages if device_dst_pages is None else device_dst_pages
+    block_counts = _int64_rows(num_spaces, num_blocks, torch_device)
+    block_offsets = _int64_rows(num_spaces, num_blocks, torch_device)
+    dst_device = dst_pages if dst_device_pages is None else dst_device_pages
     page_args = (
         src_pages,
         src_pages.stride(0),
-        host_dst_pages,
-        host_dst_pages.stride(0),
-        device_dst,
-        device_dst.stride(0),
+        dst_pages,
+        dst_pages.stride(0),
+        dst_device,
+        dst_device.stride(0),
     )
-    has_device = device_dst_pages is not None
+    has_device = dst_device_pages is not None
     status = runs.status
     _count_runs_kernel[(num_blocks,)](
         *page_args,

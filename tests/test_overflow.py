@@ -198,11 +198,11 @@ def edge_cases(draw) -> dict:
             base = near([0, *EDGES, 2**63 // 2**16, 2**63 // 4096], 8)
         return [min(max(base + offset, 0), INT64_MAX) for offset in offsets]
 
-    on_device = layout["dst_is_device"]
+    device_space = layout["dst_is_device"]
     pages = {
         "src": page_list("src", range(num_buffers)),
-        "dst": page_list("dst", [b for b in range(num_buffers) if not on_device[b]]),
-        "device": page_list("dst", [b for b in range(num_buffers) if on_device[b]]),
+        "dst": page_list("dst", [b for b in range(num_buffers) if not device_space[b]]),
+        "device": page_list("dst", [b for b in range(num_buffers) if device_space[b]]),
     }
     return {"pages": pages, "layout": layout, "max_batch": draw(st.sampled_from([0, 1, 3]))}
 

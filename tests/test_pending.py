@@ -45,7 +45,7 @@ def test_pending_pages_match_the_definition(backend_device, tokens, page_size, d
     host = pending.wait()
     assert (host.host.device.type, host.device.device.type) == ("cpu", "cpu")
     assert host.host.dtype == host.device.dtype == dtype
-    assert pending.on_device.device.device == device
+    assert pending.computed.device.device == device
 
 
 def test_numpy_input_gives_numpy_pages():
@@ -84,5 +84,5 @@ def test_cuda_staging_waits_on_its_copy_event_only():
         torch.cuda.set_sync_debug_mode(0)
     np.testing.assert_array_equal(pages.device, device_slots[7:-5:64] // 64)
     np.testing.assert_array_equal(pages.host, host_slots[7:-5:64] // 64)
-    assert pending.on_device.host.is_cuda
+    assert pending.computed.host.is_cuda
     busy.synchronize()

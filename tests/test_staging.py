@@ -14,7 +14,7 @@ import pytest
 import torch
 from conftest import ON_CUDA
 
-from gpu_planner.cuda_streams import device_of
+from gpu_planner.cuda_streams import torch_device_of
 from gpu_planner.errors import PlanValidationError
 from gpu_planner.staging import MIN_BLOCK_BYTES, Block, PinnedStaging
 
@@ -100,9 +100,9 @@ def test_a_block_is_reused_only_after_its_copy_completed():
     assert pool.take(100) is block
 
 
-def test_mixed_devices_are_a_clear_error():
-    with pytest.raises(PlanValidationError, match="share a device"):
-        device_of([torch.zeros(1), torch.zeros(1, device="meta")])
+def test_mixed_torch_devices_are_a_clear_error():
+    with pytest.raises(PlanValidationError, match="must share a torch device"):
+        torch_device_of([torch.zeros(1), torch.zeros(1, device="meta")])
 
 
 @pytest.mark.skipif(not ON_CUDA, reason="no CUDA device (the host-memory twins above run)")

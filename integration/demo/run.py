@@ -108,7 +108,7 @@ def run_pull(decode: DecodeSide, report: DemoReport) -> None:
     registration, source = decode.receive_source()
     config = decode.config
     report.pages = len(source.pages)
-    pages = decode.pages.on_device
+    pages = decode.pages.computed
     device_pages = pages.device if decode.has_device_buffers else None
     failure = None
     try:

@@ -170,8 +170,8 @@ class DecodeSide(Side):
         pages = self.pages.numpy()
         total = Verification(0, 0, 0, 0)
         with nvtx_range("demo/verify"):
-            for buffer, on_device in zip(self.buffers, self.is_device, strict=True):
-                dst_pages = (pages.device if on_device else pages.host)[: src_pages.size]
+            for buffer, device_space in zip(self.buffers, self.is_device, strict=True):
+                dst_pages = (pages.device if device_space else pages.host)[: src_pages.size]
                 total += verify_buffer(buffer, dst_pages, src_pages)
         return total
 

@@ -85,7 +85,6 @@ def page_views(num_pages: int, dtype: torch.dtype, seed: int) -> list[torch.Tens
 
 def sweep_plans() -> int:
     """Launch the planner's kernels for every case of the sweep; return the launches."""
-    from gpu_planner import cpu_backend
     from gpu_planner.inputs import collect_pages
     from gpu_planner.kernels.expand_descriptors import launch_expand_descriptors
     from gpu_planner.layout import BufferLayout
@@ -104,10 +103,9 @@ def sweep_plans() -> int:
         ):
             src = page_views(num_pages, src_dtype, 1)[view]
             dst = page_views(num_pages, dst_dtype, 2)[view]
-            device_dst = page_views(num_pages, device_dtype, 3)[view] if any(is_device) else None
-            pages, _ = collect_pages(src, dst, device_dst)
-            batch_pages = cpu_backend.batch_page_count(num_pages, max_batch_pages)
-            runs = launch_runs(pages, batch_pages)
+            dst_device = page_views(num_pages, device_dtype, 3)[view] if any(is_device) else None
+            request = collect_pages(src, dst, dst_device, max_batch_pages)
+            runs = launch_runs(request.pages, request.batch_pages)
             launch_expand_descriptors(
                 tables,
                 layout.num_host_buffers,
@@ -130,7 +128,7 @@ def sweep_page_indices() -> int:
         row = req_to_token[1]  # a row view at an offset, as sglang passes it
         host_slots = torch.arange(tokens + 7, dtype=host_dtype)[7:]
         for start, host in ((0, host_slots), (tokens // 3, None)):
-            launch_page_indices(row, host, start, tokens, page_size)
+            launch_page_indices(host, row, start, tokens, page_size)
             launches += 1
     return launches
 

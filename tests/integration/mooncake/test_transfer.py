@@ -60,7 +60,7 @@ def _plan(sides: Sides, pages, max_batch_pages: int = BATCH_PAGES) -> gp.Transfe
 def _expected(sides: Sides, pages, num_pages: int = NUM_PAGES) -> list[np.ndarray]:
     """The destination once the first `num_pages` pages of the request have moved."""
     src, dst, dst_device = (p[:num_pages] for p in pages)
-    dst_pages = [dst_device if on_device else dst for on_device in IS_DEVICE]
+    dst_pages = [dst_device if device_space else dst for device_space in IS_DEVICE]
     return expected_after(sides.destination_initial(), sides.sources(), src, dst_pages, ITEM_LEN)
 
 
