@@ -56,14 +56,25 @@ def _checked_ints(values: Sequence, name: str) -> np.ndarray:
 
 
 class BufferLayout:
-    """The buffers of one prefill/decode peer pair, in layout (descriptor) order.
+    """The buffers of one prefill/decode peer pair, in layout (descriptor) order; build once.
 
-    Buffer `b` copies `item_lens[b]` bytes per page from `src_ptrs[b]` to
-    `dst_ptrs[b]`. `dst_is_device[b]` picks the destination page space of that
-    buffer (device pages when true, host pages otherwise). `src_lens`/`dst_lens`,
-    when given, are the registered byte lengths used to bounds-check every
-    descriptor before any byte moves; without them every descriptor must still
-    end at or below address 2**63 - 1 (no address wraps).
+    Args (one entry per buffer each; lists, NumPy arrays or tensors of integers):
+        src_ptrs: source (prefill) base addresses.
+        dst_ptrs: destination (decode) base addresses.
+        item_lens: bytes per page (>= 1).
+        dst_is_device: per buffer, whether its destination pages are in the
+            device page space (`dst_device_pages`) instead of the host page
+            space (`dst_pages`); default all host.
+        src_lens, dst_lens: registered byte lengths; every descriptor is then
+            checked to stay inside its buffer. Without them every descriptor
+            must still end at or below address 2**63 - 1 (no address wraps).
+
+    Example:
+        >>> layout = gp.BufferLayout(
+        ...     src_ptrs=[0x1000_0000, 0x2000_0000], dst_ptrs=[0x7000_0000, 0x8000_0000],
+        ...     item_lens=[4096, 4096], dst_is_device=[False, True],
+        ...     dst_lens=[4096 * 1024, 4096 * 256],
+        ... )
     """
 
     def __init__(

@@ -283,11 +283,39 @@ def plan_transfer(
     max_batch_pages: int = 0,
     backend: Backend | None = None,
 ) -> TransferPlan:
-    """Plan every buffer's descriptors for one request's page lists.
+    """Plan every buffer's `(src_addr, dst_addr, length)` descriptors for one request.
 
-    Buffers with `layout.dst_is_device` use `dst_device_pages`, the others
-    `dst_pages`. With `max_batch_pages > 0` the pages are cut into batches of
-    that many pages (one Mooncake call each); runs never cross a cut.
+    A run is a maximal stretch where both the source page and the destination
+    page step by +1; each buffer gets one descriptor per run of its
+    destination page space, buffer-major, runs in page order.
+
+    Args:
+        src_pages: int32/int64 [num_pages] prefill (source) pages.
+        dst_pages: int32/int64 [num_pages] destination pages in the host page
+            space (every buffer whose `layout.dst_is_device` is false).
+        layout: the peer pair's buffers (`BufferLayout`).
+        dst_device_pages: int32/int64 [num_pages] destination pages in the
+            device page space; required when any buffer is device-backed.
+        max_batch_pages: cut the pages into batches of this many (one Mooncake
+            call each; runs never cross a cut); 0 = one batch.
+        backend: None picks Triton for CUDA tensors, the compiled CPU loops for
+            CPU tensors and NumPy arrays; "triton" on CPU needs TRITON_INTERPRET=1.
+            Page lists are torch tensors (any stride) or NumPy arrays, on one
+            torch device.
+
+    Returns:
+        A `TransferPlan`. On CUDA nothing is read back until it is first used.
+
+    Raises:
+        PlanValidationError (BoundsError for a registered length) naming the
+        argument, buffer and page at fault, before any byte moves; on CUDA
+        kernel-found errors raise at the plan's first read.
+
+    Example:
+        >>> layout = gp.BufferLayout([1 << 40], [1 << 41], [4096], dst_lens=[4096 * 16])
+        >>> plan = gp.plan_transfer(np.array([3, 4, 9]), np.array([0, 1, 2]), layout)
+        >>> plan.descriptors.tolist()  # runs [3, 4] -> [0, 1] and [9] -> [2]
+        [[1099511640064, 2199023255552, 8192], [1099511664640, 2199023263744, 4096]]
     """
     request = collect_pages(src_pages, dst_pages, dst_device_pages, max_batch_pages)
     pages = request.pages

@@ -54,10 +54,25 @@ def group_runs(
     max_batch_pages: int = 0,
     backend: Backend | None = None,
 ) -> Runs:
-    """Maximal runs where src and dst both step by +1, never crossing a batch cut.
+    """Maximal runs where src and dst pages both step by +1, never crossing a batch cut.
 
-    This reads the run counts back to the host to return exact tensors; the
-    planner itself (`plan_transfer`) keeps them on the device.
+    Args:
+        src_pages, dst_pages: int32/int64 [num_pages] source and host-space
+            destination pages (tensors on one torch device, or NumPy arrays).
+        dst_device_pages: int32/int64 [num_pages] device-space destination
+            pages, or None for a host-space plan only.
+        max_batch_pages: batch cut in pages (0 = none), as in `plan_transfer`.
+        backend: as in `plan_transfer`.
+
+    Returns:
+        `Runs(host, device, num_batches)`: one `RunList` per page space (int64
+        src_starts, dst_starts, lengths [runs] and batch_run_offsets
+        [num_batches + 1], on the input's torch device). This reads the run
+        counts back to return exact tensors; `plan_transfer` does not.
+
+    Example:
+        >>> gp.group_runs(np.array([3, 4, 9]), np.array([0, 1, 2])).host.lengths
+        tensor([2, 1])
     """
     request = collect_pages(src_pages, dst_pages, dst_device_pages, max_batch_pages)
     if resolve_backend(backend, request.torch_device) == "cpu":
