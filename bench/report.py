@@ -103,24 +103,36 @@ def table_rows(case_result: dict[str, Any]) -> list[list[str]]:
     return rows
 
 
-SEND_COLUMNS = ["send path", "med [p10-p90]", "after other send", "GIL hold med / max", "speedup"]
+SEND_COLUMNS = [
+    "send path",
+    "interleaved med [p10-p90]",
+    "GIL hold med / max",
+    "alone med [p10-p90]",
+    "GIL hold med / max",
+    "speedup (alone)",
+]
+
+
+def _hold(figures: dict[str, Any]) -> str:
+    hold = figures["gil_hold"]
+    return f"{format_seconds(hold['median'])} / {format_seconds(hold['max'])}"
 
 
 def send_path_rows(send: dict[str, Any]) -> list[list[str]]:
-    """sglang's send and the hooked one: times, longest GIL holds, the hooked speed-up."""
+    """sglang's send and the hooked one: times and longest GIL holds, interleaved and alone."""
     rows = []
     for variant in ("sglang", "hooked"):
         figures = send[variant]
-        hold = figures["gil_hold"]
         speedup = "-"
         if variant == "hooked":
-            speedup = f"{send['speedup']:.1f}x (after other {send['speedup_after_other']:.1f}x)"
+            speedup = f"{send['speedup']:.1f}x ({send['speedup_alone']:.1f}x)"
         rows.append(
             [
                 variant,
                 _format_timing(figures),
-                _format_timing(figures["after_other"]),
-                f"{format_seconds(hold['median'])} / {format_seconds(hold['max'])}",
+                _hold(figures),
+                _format_timing(figures["alone"]),
+                _hold(figures["alone"]),
                 speedup,
             ]
         )
