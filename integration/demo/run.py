@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+import gpu_planner as gp
 from gpu_planner.integration.demo.buffers import Verification
 from gpu_planner.integration.demo.config import DemoConfig, index_device
 from gpu_planner.integration.demo.sides import (
@@ -37,7 +38,12 @@ from gpu_planner.integration.demo.sides import (
     plan_request,
     submit,
 )
-from gpu_planner.integration.mooncake import MooncakeReader, MooncakeSender, handoff
+from gpu_planner.integration.mooncake import (
+    MooncakeReader,
+    MooncakeSender,
+    MooncakeTransfer,
+    handoff,
+)
 
 
 @dataclass
@@ -67,31 +73,40 @@ def _failure(error: Exception, report: DemoReport) -> str:
     return failure
 
 
+def _plan_and_submit(
+    report: DemoReport,
+    side: Side,
+    transfer: type[MooncakeTransfer],
+    peer_session_id: str,
+    layout: gp.BufferLayout,
+    src_pages: np.ndarray,
+    dst_pages: gp.PageIndices,
+    dst_pages_in_host_memory: gp.PageIndices,
+) -> None:
+    """Count runs, plan `dst_pages` (device space None without device buffers), submit."""
+    config = side.config
+    report.host_runs, report.device_runs = count_runs(config, src_pages, *dst_pages_in_host_memory)
+    planned = plan_request(
+        config, layout, src_pages, *dst_pages, handoff.handoff_path(side.engine, transfer.direction)
+    )
+    report.descriptors, report.total_bytes = planned.descriptors, planned.total_bytes
+    report.handoff = planned.handoff
+    report.plan_s = planned.plan_s
+    report.submit_s = submit(config, transfer, side.engine, peer_session_id, planned)
+
+
 def run_push(prefill: PrefillSide, report: DemoReport) -> None:
     """sglang's model, in the prefill process: plan, write, and collect decode's verification."""
     registration, request = prefill.receive_metadata()
-    config = prefill.config
     report.pages = len(request.host_pages)
     failure = None
     try:
-        report.host_runs, report.device_runs = count_runs(
-            config, prefill.src_pages, request.host_pages, request.device_pages
-        )
+        dst_pages = gp.PageIndices(request.host_pages, request.device_pages)
         layout = pair_layout(prefill.registration(), registration)
-        planned = plan_request(
-            config,
-            layout,
-            prefill.src_pages,
-            request.host_pages,
-            request.device_pages,
-            handoff.handoff_path(prefill.engine, "write"),
-        )
-        report.descriptors, report.total_bytes = planned.descriptors, planned.total_bytes
-        report.handoff = planned.handoff
-        report.plan_s = planned.plan_s
-        report.submit_s = submit(
-            config, MooncakeSender, prefill.engine, request.session_id, planned
-        )
+        _plan_and_submit(
+            report, prefill, MooncakeSender, request.session_id, layout,
+            prefill.src_pages, dst_pages, dst_pages,
+        )  # fmt: skip
     except Exception as error:  # whatever failed, decode hears of it and ends
         failure = _failure(error, report)
     report.verification = prefill.finish(request, failure)
@@ -106,31 +121,17 @@ def run_push_decode(config: DemoConfig, prefill_port: int) -> None:
 def run_pull(decode: DecodeSide, report: DemoReport) -> None:
     """The pull model, in the decode process: plan on its own device, read, verify."""
     registration, source = decode.receive_source()
-    config = decode.config
     report.pages = len(source.pages)
-    pages = decode.pages.computed
-    device_pages = pages.device if decode.has_device_buffers else None
     failure = None
     try:
-        host = decode.pages.numpy()
-        report.host_runs, report.device_runs = count_runs(
-            config, source.pages, host.host, host.device if decode.has_device_buffers else None
-        )
+        computed, copies = decode.pages.computed, decode.pages.numpy()
+        if not decode.has_device_buffers:
+            computed, copies = computed._replace(device=None), copies._replace(device=None)
         layout = pair_layout(registration, decode.registration())
-        planned = plan_request(
-            config,
-            layout,
-            source.pages,
-            pages.host,
-            device_pages,
-            handoff.handoff_path(decode.engine, "read"),
-        )
-        report.descriptors, report.total_bytes = planned.descriptors, planned.total_bytes
-        report.handoff = planned.handoff
-        report.plan_s = planned.plan_s
-        report.submit_s = submit(
-            config, MooncakeReader, decode.engine, registration.session_id, planned
-        )
+        _plan_and_submit(
+            report, decode, MooncakeReader, registration.session_id, layout,
+            source.pages, computed, copies,
+        )  # fmt: skip
     except Exception as error:  # whatever failed, prefill hears of it and ends
         failure = _failure(error, report)
     report.verification = decode.verify(source.pages if failure is None else np.empty(0, np.int64))
