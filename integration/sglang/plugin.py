@@ -2,7 +2,8 @@
 
 sglang's `load_plugins()` calls `register` through the `sglang.srt.plugins`
 entry point named `gpu_planner`. It registers AROUND hooks on
-`MooncakeKVManager._send_kvcache_generic` and `kv_to_page_indices` with
+`MooncakeKVManager._send_kvcache_generic`, the head-sliced sends
+(`send_kvcache_slice`, `_send_swa_state_slice`) and `kv_to_page_indices` with
 sglang's `HookRegistry`, after checking that each target still has the
 signature of sglang 0.5.23 that the hooks mirror. `GPU_PLANNER_DISABLE=1`
 turns the plugin off. With the page hook it also registers an AFTER hook on
@@ -20,12 +21,14 @@ import os
 import pkgutil
 from collections.abc import Callable
 
-from gpu_planner import cpu_backend
+from gpu_planner import cpu_backend, head_slices
 from gpu_planner.integration.sglang.fallback import log_fallback_once
 
 logger = logging.getLogger(__name__)
 
 SEND_TARGET = "sglang.srt.disaggregation.mooncake.conn.MooncakeKVManager._send_kvcache_generic"
+SLICE_TARGET = "sglang.srt.disaggregation.mooncake.conn.MooncakeKVManager.send_kvcache_slice"
+SWA_SLICE_TARGET = "sglang.srt.disaggregation.mooncake.conn.MooncakeKVManager._send_swa_state_slice"
 PAGES_TARGET = "sglang.srt.mem_cache.common.kv_to_page_indices"
 WARMUP_TARGET = "sglang.srt.disaggregation.mooncake.conn.MooncakeKVManager.__init__"
 
@@ -57,6 +60,8 @@ def register() -> None:
         HookRegistry.register(target, hook, HookType.AROUND)
         if target == SEND_TARGET:  # sends plan on the CPU backend: compile before the first
             cpu_backend.compile_kernels()
+        if target in (SLICE_TARGET, SWA_SLICE_TARGET):
+            head_slices.compile_kernels()
         if target == PAGES_TARGET:  # pages convert on the GPU: compile once it is selected
             HookRegistry.register(WARMUP_TARGET, warm_up_after_manager_init, HookType.AFTER)
 
@@ -87,9 +92,12 @@ def hook_targets() -> dict[str, tuple[Callable, Parameters]]:
     # sglang processes (not `import gpu_planner`) should pay for.
     from gpu_planner.integration.sglang import pages as sglang_pages
     from gpu_planner.integration.sglang import send as sglang_send
+    from gpu_planner.integration.sglang import send_slice
 
     return {
         SEND_TARGET: (sglang_send.send_kvcache_generic_hook, sglang_send.HOOKED_PARAMETERS),
+        SLICE_TARGET: (send_slice.send_kvcache_slice_hook, send_slice.SLICE_PARAMETERS),
+        SWA_SLICE_TARGET: (send_slice.send_swa_state_slice_hook, send_slice.SWA_SLICE_PARAMETERS),
         PAGES_TARGET: (sglang_pages.kv_to_page_indices_hook, sglang_pages.HOOKED_PARAMETERS),
     }
 

@@ -1,0 +1,314 @@
+"""AROUND hooks for sglang's head-sliced sends: prefill and decode with different attention TP.
+
+`MooncakeKVManager.send_kvcache_slice` (KV) and `_send_swa_state_slice` (SWA
+state) send one descriptor per token, per K/V buffer, per layer, each layer
+built with NumPy and `.tolist()` in an executor thread and handed to one
+engine call. The hooks keep sglang's layout decisions as sglang makes them
+(head-slice parameters from `compute_head_slice_params`, layer pairing by
+layer ids or `get_mha_kv_ptrs_with_pp`, its validation, its -1 returns and
+their log lines, its exceptions), build every layer's descriptors in one
+compiled pass without the GIL (`gpu_planner.head_slices`), then submit one
+engine call per layer to the executor as sglang does and await them with the
+manager's own `_await_transfer_futures`. Through sglang's wrapper around a
+Mooncake 0.3.14 engine the calls take the descriptor arrays directly
+(`send.engine_send`); otherwise each layer's lists are built in its executor
+thread, as sglang does. Inputs sglang does not handle the way the builder
+does (non-array or unequal page lists, values outside [0, 2**63)) run the
+original, logged once per reason.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+from sglang.srt.disaggregation.common.staging_buffer import (
+    compute_head_slice_params,
+    resolve_total_kv_heads,
+)
+from sglang.srt.disaggregation.mooncake import conn
+
+from gpu_planner.errors import PlanValidationError
+from gpu_planner.head_slices import HeadSliceDescriptors, HeadSliceLayout, head_slice_descriptors
+from gpu_planner.integration.mooncake import handoff
+from gpu_planner.integration.sglang.fallback import log_fallback_once
+from gpu_planner.integration.sglang.send import engine_send
+
+_EMPTY = inspect.Parameter.empty
+
+
+@dataclasses.dataclass
+class SliceCall:
+    """The arguments of `send_kvcache_slice` (sglang 0.5.23), bound like the original."""
+
+    mooncake_session_id: str
+    prefill_kv_indices: Any
+    dst_kv_ptrs: list[int]
+    dst_kv_indices: Any
+    dst_tp_rank: int
+    dst_attn_tp_size: int
+    dst_kv_item_len: int
+    executor: concurrent.futures.Executor
+    dst_layer_ids: list[int] | None = None
+
+
+@dataclasses.dataclass
+class SwaSliceCall:
+    """The arguments of `_send_swa_state_slice` (sglang 0.5.23), bound like the original."""
+
+    req: Any
+    prefill_swa_page_indices: Any
+    src_state_data_ptrs: list[int]
+    src_state_item_lens: list[int]
+    dst_state_data_ptrs: list[int]
+    dst_swa_page_indices: Any
+    dst_state_item_lens: list[int]
+    dst_tp_rank: int
+    dst_attn_tp_size: int
+    executor: concurrent.futures.Executor
+
+
+def _parameters(call_type: type) -> tuple[tuple[str, object], ...]:
+    """The original's parameters as the plugin's register() compares them: self, then the call's."""
+    return (("self", _EMPTY),) + tuple(
+        (field.name, _EMPTY if field.default is dataclasses.MISSING else field.default)
+        for field in dataclasses.fields(call_type)
+    )
+
+
+SLICE_PARAMETERS = _parameters(SliceCall)
+SWA_SLICE_PARAMETERS = _parameters(SwaSliceCall)
+
+
+def send_kvcache_slice_hook(
+    original: Callable[..., int], manager: conn.MooncakeKVManager, *args, **kwargs
+) -> int:
+    """sglang's head-sliced KV send, descriptors built compiled; same calls and status."""
+    call = SliceCall(*args, **kwargs)
+    kv_args = manager.kv_args
+    # sglang's own decisions, in its order (its exceptions surface as they would).
+    src_kv_item_len = kv_args.kv_item_lens[0]
+    page_size = kv_args.page_size
+    total_kv_heads = getattr(kv_args, "total_kv_head_num", 0)
+    if total_kv_heads <= 0:
+        total_kv_heads = kv_args.kv_head_num * manager.attn_tp_size
+    dst_heads_per_rank = max(1, total_kv_heads // call.dst_attn_tp_size)
+    head_len = call.dst_kv_item_len // page_size // dst_heads_per_rank
+    src_head_start, num_heads, dst_head_start, _ = compute_head_slice_params(
+        manager.attn_tp_size,
+        call.dst_attn_tp_size,
+        kv_args.engine_rank,
+        call.dst_tp_rank,
+        total_kv_heads,
+    )
+    layer_pairs = _slice_layer_pairs(manager, call, src_kv_item_len)
+    if layer_pairs is None:
+        return -1
+    slice_len = num_heads * head_len
+    if slice_len > call.dst_kv_item_len // page_size:
+        conn.logger.error(
+            f"[{call.mooncake_session_id}] slice size ({slice_len}) exceeds "
+            f"target token slot size ({call.dst_kv_item_len // page_size})"
+        )
+        return -1
+    pages = _page_arrays(call.prefill_kv_indices, call.dst_kv_indices, lists=False)
+    if isinstance(pages, str):
+        log_fallback_once(pages)
+        return original(manager, *args, **kwargs)
+    try:
+        descriptors = head_slice_descriptors(
+            HeadSliceLayout.build(
+                src_ptrs=[src for src, _ in layer_pairs],
+                dst_ptrs=[dst for _, dst in layer_pairs],
+                page_size=page_size,
+                src_page_lens=src_kv_item_len,
+                dst_page_lens=call.dst_kv_item_len,
+                src_token_lens=src_kv_item_len // page_size,
+                dst_token_lens=call.dst_kv_item_len // page_size,
+                src_head_offsets=src_head_start * head_len,
+                dst_head_offsets=dst_head_start * head_len,
+                slice_lens=slice_len,
+            ),
+            *pages,
+        )
+    except PlanValidationError as error:
+        log_fallback_once(f"a head-sliced send was rejected ({error})", key="slice rejected")
+        return original(manager, *args, **kwargs)
+    return _send_layers(manager, call.mooncake_session_id, descriptors, call.executor)
+
+
+def _slice_layer_pairs(
+    manager: conn.MooncakeKVManager, call: SliceCall, src_kv_item_len: int
+) -> list[tuple[int, int]] | None:
+    """sglang's (src, dst) buffer of each layer in send order; None (logged) where it returns -1."""
+    kv_args = manager.kv_args
+    src_data_ptrs = kv_args.kv_data_ptrs
+    src_layer_ids = kv_args.kv_layer_ids
+    if src_layer_ids or call.dst_layer_ids:
+        # Draft buffers: sglang pairs by layer id and needs one item length.
+        if any(item_len != src_kv_item_len for item_len in kv_args.kv_item_lens):
+            conn.logger.error(
+                f"[{call.mooncake_session_id}] head-sliced transfer assumes one item "
+                f"length for every KV entry, got {set(kv_args.kv_item_lens)}"
+            )
+            return None
+        pairs = conn.build_transfer_entry_pairs(
+            src_layer_ids,
+            call.dst_layer_ids or [],
+            len(src_data_ptrs),
+            len(call.dst_kv_ptrs),
+            allow_positional_fallback=manager.pp_size == 1,
+        )
+        return [(src_data_ptrs[i], call.dst_kv_ptrs[j]) for i, j in pairs]
+    src_k, src_v, dst_k, dst_v, num_layers = manager.get_mha_kv_ptrs_with_pp(
+        src_data_ptrs, call.dst_kv_ptrs
+    )
+    return [(src_k[i], dst_k[i]) for i in range(num_layers)] + [
+        (src_v[i], dst_v[i]) for i in range(num_layers)
+    ]
+
+
+def send_swa_state_slice_hook(
+    original: Callable[..., int], manager: conn.MooncakeKVManager, *args, **kwargs
+) -> int:
+    """sglang's head-sliced SWA state send, descriptors built compiled; same calls and status.
+
+    Where sglang's `_get_mha_head_slice_blocks` raises (PP > 1, a layout other
+    than NHD, unpaired K/V entries, unequal page counts, item lengths that do
+    not split into heads), the original runs and raises it.
+    """
+    call = SwaSliceCall(*args, **kwargs)
+    layout = _swa_layout(manager, call)
+    pages = _page_arrays(call.prefill_swa_page_indices, call.dst_swa_page_indices, lists=True)
+    if layout is None or isinstance(pages, str):
+        if isinstance(pages, str):
+            log_fallback_once(pages)
+        return original(manager, *args, **kwargs)
+    try:
+        descriptors = head_slice_descriptors(layout, *pages)
+    except PlanValidationError as error:
+        log_fallback_once(f"a head-sliced send was rejected ({error})", key="slice rejected")
+        return original(manager, *args, **kwargs)
+    conn.logger.warning_once(
+        "Using SWA state head-slice transfer for different attention TP sizes: "
+        f"prefill={manager.attn_tp_size}, decode={call.dst_attn_tp_size}."
+    )
+    return _send_layers(manager, call.req.mooncake_session_id, descriptors, call.executor)
+
+
+def _swa_layout(manager: conn.MooncakeKVManager, call: SwaSliceCall) -> HeadSliceLayout | None:
+    """sglang's per-entry head slices of an SWA state send; None where sglang raises."""
+    if manager.pp_size > 1 or manager.kv_args.swa_kv_cache_layout != "nhd":
+        return None
+    src_k, src_v, dst_k, dst_v, num_layers = manager.get_mha_kv_ptrs_with_pp(
+        call.src_state_data_ptrs, call.dst_state_data_ptrs
+    )
+    _, _, dst_k_lens, dst_v_lens, _ = manager.get_mha_kv_ptrs_with_pp(
+        call.src_state_item_lens, call.dst_state_item_lens
+    )
+    entries = list(
+        zip(
+            src_k + src_v,
+            dst_k + dst_v,
+            call.src_state_item_lens,
+            dst_k_lens + dst_v_lens,
+            strict=False,  # sglang's zip: shorter lists end it, then the count check fails
+        )
+    )
+    num_src = len(call.src_state_data_ptrs)
+    if len(entries) != num_src or 2 * num_layers != num_src:
+        return None
+    if len(call.prefill_swa_page_indices) != len(call.dst_swa_page_indices):
+        return None
+    total_kv_heads = resolve_total_kv_heads(manager.kv_args, manager.attn_tp_size)
+    src_head_start, num_heads, dst_head_start, _ = compute_head_slice_params(
+        src_attn_tp_size=manager.attn_tp_size,
+        dst_attn_tp_size=call.dst_attn_tp_size,
+        src_tp_rank=manager.kv_args.engine_rank,
+        dst_tp_rank=call.dst_tp_rank,
+        total_kv_heads=total_kv_heads,
+    )
+    src_heads = max(1, total_kv_heads // manager.attn_tp_size)
+    dst_heads = max(1, total_kv_heads // call.dst_attn_tp_size)
+    page_size = manager.kv_args.page_size
+    head_lens = []
+    for _, _, src_item_len, dst_item_len in entries:
+        head_len = src_item_len // (page_size * src_heads)
+        if (
+            head_len * page_size * src_heads != src_item_len
+            or head_len * page_size * dst_heads != dst_item_len
+        ):
+            return None
+        head_lens.append(head_len)
+    head_lens = np.array(head_lens, dtype=np.int64)
+    src_ptrs, dst_ptrs, src_item_lens, dst_item_lens = (
+        list(column) for column in zip(*entries, strict=True)
+    )
+    try:
+        return HeadSliceLayout.build(
+            src_ptrs=src_ptrs,
+            dst_ptrs=dst_ptrs,
+            page_size=page_size,
+            src_page_lens=src_item_lens,
+            dst_page_lens=dst_item_lens,
+            src_token_lens=(src_heads * head_lens).tolist(),
+            dst_token_lens=(dst_heads * head_lens).tolist(),
+            src_head_offsets=(src_head_start * head_lens).tolist(),
+            dst_head_offsets=(dst_head_start * head_lens).tolist(),
+            slice_lens=(num_heads * head_lens).tolist(),
+        )
+    except PlanValidationError as error:
+        log_fallback_once(f"a head-sliced send was rejected ({error})", key="slice rejected")
+        return None
+
+
+def _page_arrays(
+    src_pages: Any, dst_pages: Any, lists: bool
+) -> tuple[np.ndarray, np.ndarray] | str:
+    """Both page lists flattened as sglang reads them (`reshape(-1)`), or why the original runs.
+
+    `lists`: sglang takes Python lists of pages too (`np.asarray`), as for SWA state.
+    """
+    arrays = []
+    for pages in (src_pages, dst_pages):
+        if lists and isinstance(pages, list):
+            try:
+                pages = np.asarray(pages, dtype=np.int64)
+            except (OverflowError, TypeError, ValueError):
+                return "head-sliced page lists that are not int64 values"
+        if not isinstance(pages, np.ndarray) or pages.dtype.kind not in "iu":
+            return "head-sliced page indices are not integer NumPy arrays"
+        arrays.append(pages.reshape(-1))
+    if arrays[0].size != arrays[1].size:
+        return "head-sliced page lists of unequal lengths"
+    return arrays[0], arrays[1]
+
+
+def _send_layers(
+    manager: conn.MooncakeKVManager,
+    session: str,
+    descriptors: HeadSliceDescriptors,
+    executor: concurrent.futures.Executor,
+) -> int:
+    """One engine call per layer from `executor`, awaited by sglang's `_await_transfer_futures`.
+
+    A layer without descriptors returns 0 without a call, as in sglang.
+    """
+    path, send = engine_send(manager.engine)
+
+    def send_layer(layer: int) -> int:
+        if descriptors.num_tokens == 0:
+            return 0
+        columns = descriptors.layer(layer)
+        if path == handoff.LISTS:
+            columns = tuple(column.tolist() for column in columns)
+        return send(session, *columns)
+
+    futures = [
+        executor.submit(send_layer, layer) for layer in range(descriptors.addresses.shape[1])
+    ]
+    return manager._await_transfer_futures(futures)
