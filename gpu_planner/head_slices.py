@@ -46,7 +46,12 @@ def _per_layer(values: PerLayer, name: str, num_layers: int) -> np.ndarray:
     """`values` as int64 [num_layers], each in [0, 2**63); the error names the layer."""
     if isinstance(values, (int, np.integer)) and not isinstance(values, (bool, np.bool_)):
         values = [values] * num_layers
-    listed = list(values)
+    try:
+        listed = list(values)
+    except TypeError:
+        raise PlanValidationError(
+            f"{name}: expected an integer or one integer per layer, got {values!r}"
+        ) from None
     if len(listed) != num_layers:
         raise PlanValidationError(f"{name}: has {len(listed)} values for {num_layers} layers")
     for layer, value in enumerate(listed):
