@@ -56,25 +56,12 @@ class Planner:
         return {}
 
 
-class _RecordingEngine:
-    """Stands in for sglang's MooncakeTransferEngine: records each call's lists, moves nothing."""
-
-    def __init__(self) -> None:
-        self.calls: list[Batch] = []
-
-    def batch_transfer_sync(
-        self, session_id: str, srcs: list[int], dsts: list[int], lens: list[int]
-    ) -> int:
-        self.calls.append((srcs, dsts, lens))
-        return 0
-
-
 class SglangPlanner(Planner):
     """sglang's own send path: the real `MooncakeKVManager._send_kvcache_generic`.
 
-    The manager is built with `object.__new__` and only the attributes the flat
-    (one region per buffer) path reads; its engine records the lists instead of
-    sending them. Grouping is sglang's `group_concurrent_contiguous`.
+    The manager is `integration.sglang.testing.make_manager`'s (the real class
+    with only the state the send reads); its engine records the lists instead
+    of sending them. Grouping is sglang's `group_concurrent_contiguous`.
     """
 
     name = "sglang"
@@ -83,14 +70,12 @@ class SglangPlanner(Planner):
     def __init__(self) -> None:
         from sglang.srt.disaggregation.mooncake.conn import MooncakeKVManager
 
+        from gpu_planner.integration.sglang.testing import RecordingEngine, make_manager
+
         # sglang's own function even where gpu_planner's plugin has hooked it.
         self._send_kvcache_generic = inspect.unwrap(MooncakeKVManager._send_kvcache_generic)
-        self._manager = object.__new__(MooncakeKVManager)
-        self._manager.is_mla_backend = True
-        self._manager.is_hybrid_mla_backend = False
-        self._manager.enable_custom_mem_pool = False
-        self._manager.custom_mem_pool_type = None
-        self._manager.state_strides_validated = set()
+        self._manager = make_manager(None, mla=True)
+        self._new_engine = RecordingEngine
         self._input: BenchInput | None = None
 
     def prepare(self, bench_input: BenchInput) -> None:
@@ -107,7 +92,7 @@ class SglangPlanner(Planner):
 
     def hand_off(self) -> list[Batch]:
         bench_input = self._input
-        engine = _RecordingEngine()
+        engine = self._new_engine()
         self._manager.engine = engine
         with bench_range("sglang/_send_kvcache_generic"):
             status = self._send_kvcache_generic(
@@ -125,7 +110,7 @@ class SglangPlanner(Planner):
             )
         if status != 0:
             raise RuntimeError(f"sglang's _send_kvcache_generic returned {status}")
-        return engine.calls
+        return [(srcs, dsts, lens) for _, srcs, dsts, lens in engine.calls]
 
 
 class ReferenceLoopPlanner(Planner):

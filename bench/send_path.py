@@ -115,6 +115,7 @@ class SendPathBench:
 
         from gpu_planner import cpu_backend
         from gpu_planner.integration.sglang import send as sglang_send
+        from gpu_planner.integration.sglang.testing import make_manager
 
         for name, value in (("MOONCAKE_PROTOCOL", "tcp"), ("MC_FORCE_TCP", "1")):
             os.environ.setdefault(name, value)
@@ -123,14 +124,7 @@ class SendPathBench:
         self._original = inspect.unwrap(MooncakeKVManager._send_kvcache_generic)
         self._hook = sglang_send.send_kvcache_generic_hook
         cpu_backend.compile_kernels()  # as the plugin does at registration
-        manager = object.__new__(MooncakeKVManager)
-        manager.is_mla_backend = True
-        manager.is_hybrid_mla_backend = False
-        manager.enable_custom_mem_pool = False
-        manager.custom_mem_pool_type = None
-        manager.state_strides_validated = set()
-        manager.engine = self.wrapper
-        self._manager = manager
+        self._manager = make_manager(self.wrapper, mla=True)
         self._arguments: tuple[tuple, dict] | None = None
 
     def prepare(self, bench_input: BenchInput) -> None:
