@@ -15,7 +15,13 @@ from sglang_send_scenarios import SESSION
 from gpu_planner.integration.sglang import fallback as sglang_fallback
 from gpu_planner.integration.sglang import plugin as sglang_plugin
 from gpu_planner.integration.sglang import send as sglang_send
-from gpu_planner.integration.sglang.plugin import PAGES_TARGET, SEND_TARGET, WARMUP_TARGET
+from gpu_planner.integration.sglang.plugin import (
+    PAGES_TARGET,
+    SEND_TARGET,
+    SLICE_TARGET,
+    SWA_SLICE_TARGET,
+    WARMUP_TARGET,
+)
 
 PLUGIN_LOGGER = "gpu_planner.integration.sglang.plugin"
 
@@ -62,7 +68,9 @@ def test_disable_registers_nothing(fresh_registry, monkeypatch, caplog):
 def test_register_hooks_both_targets(fresh_registry, monkeypatch):
     monkeypatch.delenv("GPU_PLANNER_DISABLE", raising=False)
     sglang_plugin.register()
-    assert sorted(fresh_registry._hooks) == sorted([SEND_TARGET, PAGES_TARGET, WARMUP_TARGET])
+    assert sorted(fresh_registry._hooks) == sorted(
+        [SEND_TARGET, SLICE_TARGET, SWA_SLICE_TARGET, PAGES_TARGET, WARMUP_TARGET]
+    )
 
 
 def test_other_signature_is_left_to_sglang(fresh_registry, monkeypatch, caplog):
@@ -71,7 +79,12 @@ def test_other_signature_is_left_to_sglang(fresh_registry, monkeypatch, caplog):
     monkeypatch.setattr(sglang_send, "HOOKED_PARAMETERS", sglang_send.HOOKED_PARAMETERS[:-1])
     with caplog.at_level(logging.INFO, logger=PLUGIN_LOGGER):
         sglang_plugin.register()
-    assert list(fresh_registry._hooks) == [PAGES_TARGET, WARMUP_TARGET]
+    assert list(fresh_registry._hooks) == [
+        SLICE_TARGET,
+        SWA_SLICE_TARGET,
+        PAGES_TARGET,
+        WARMUP_TARGET,
+    ]
     [record] = [r for r in caplog.records if SEND_TARGET in r.getMessage()]
     assert record.levelno == logging.INFO
     assert "bootstrap_room" in record.getMessage()
@@ -84,7 +97,12 @@ def test_missing_target_is_left_to_sglang(fresh_registry, monkeypatch, caplog):
     monkeypatch.setattr(sglang_plugin, "SEND_TARGET", missing)
     with caplog.at_level(logging.INFO, logger=PLUGIN_LOGGER):
         sglang_plugin.register()
-    assert list(fresh_registry._hooks) == [PAGES_TARGET, WARMUP_TARGET]
+    assert list(fresh_registry._hooks) == [
+        SLICE_TARGET,
+        SWA_SLICE_TARGET,
+        PAGES_TARGET,
+        WARMUP_TARGET,
+    ]
     assert f"{missing} is not in this sglang" in caplog.text
 
 

@@ -28,6 +28,8 @@ from hypothesis import strategies as st
 from sglang_plugin_support import conn, make_manager
 from test_send_handoff import ArraysEngine, ListEngine, sglang_wrapper
 
+from gpu_planner.integration.sglang import plugin, send_slice
+
 ORIGINAL_SLICE = inspect.unwrap(conn.MooncakeKVManager.send_kvcache_slice)
 ORIGINAL_SWA = inspect.unwrap(conn.MooncakeKVManager._send_swa_state_slice)
 TP_SIZES = (1, 2, 4, 8, 16)
@@ -41,6 +43,14 @@ SESSION = "127.0.0.1:12345"
 def test_the_plugin_hooks_both_slice_sends():
     assert conn.MooncakeKVManager.send_kvcache_slice is not ORIGINAL_SLICE
     assert conn.MooncakeKVManager._send_swa_state_slice is not ORIGINAL_SWA
+
+
+def test_a_changed_signature_is_not_hooked(monkeypatch):
+    """register() compares each slice target with the parameters its hook mirrors."""
+    assert plugin.target_mismatch(plugin.SLICE_TARGET, send_slice.SLICE_PARAMETERS) is None
+    assert plugin.target_mismatch(plugin.SWA_SLICE_TARGET, send_slice.SWA_SLICE_PARAMETERS) is None
+    fewer = send_slice.SLICE_PARAMETERS[:-1]
+    assert "dst_layer_ids" in plugin.target_mismatch(plugin.SLICE_TARGET, fewer)
 
 
 def buffer_ptrs(base: int, count: int) -> list[int]:
