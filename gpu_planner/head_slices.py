@@ -212,13 +212,19 @@ def _write_addresses(geometry, slice_lens, pages, page_size, addresses, overflow
 
 
 def head_slice_descriptors(
-    layout: HeadSliceLayout, src_pages: IndexLike, dst_pages: IndexLike
+    layout: HeadSliceLayout,
+    src_pages: IndexLike,
+    dst_pages: IndexLike,
+    out: np.ndarray | None = None,
 ) -> HeadSliceDescriptors:
     """Every layer's per-token descriptors for pages `src_pages[i]` -> `dst_pages[i]`.
 
     Args:
         layout: the per-layer geometry (`HeadSliceLayout.build`).
         src_pages, dst_pages: 1-D int32/int64 page indices (NumPy or tensor), equal lengths.
+        out: where to write the addresses: a C-contiguous int64 array of at least
+            2 * layers * pages * page_size values (its first ones are used), or
+            None for a new one. A reused block spares the page faults of fresh memory.
 
     Returns:
         `HeadSliceDescriptors`: per layer, token `t` of page position `i` is
@@ -249,7 +255,7 @@ def head_slice_descriptors(
         if negative.size:
             raise negative_page_error(name, int(negative[0]), int(row[negative[0]]))
     num_tokens = pages.shape[1] * layout.page_size
-    addresses = np.empty((2, layout.num_layers, num_tokens), dtype=np.int64)
+    addresses = _address_block(out, (2, layout.num_layers, num_tokens))
     overflow = np.full(3, _NO_OVERFLOW, dtype=np.int64)
     _write_addresses(
         layout.geometry, layout.slice_lens, pages, layout.page_size, addresses, overflow
@@ -267,6 +273,24 @@ def head_slice_descriptors(
         lens_columns[length] = np.full(num_tokens, length, dtype=np.int64)
         lens_columns[length].flags.writeable = False
     return HeadSliceDescriptors(addresses, layout.slice_lens, lens_columns)
+
+
+def _address_block(out: np.ndarray | None, shape: tuple[int, int, int]) -> np.ndarray:
+    """`shape` int64 addresses: new, or a view of the first values of `out`."""
+    if out is None:
+        return np.empty(shape, dtype=np.int64)
+    size = shape[0] * shape[1] * shape[2]
+    if not (
+        isinstance(out, np.ndarray)
+        and out.dtype == np.int64
+        and out.flags.c_contiguous
+        and out.flags.writeable
+        and out.size >= size
+    ):
+        raise PlanValidationError(
+            f"out: expected a writable C-contiguous int64 array of at least {size} values"
+        )
+    return out.reshape(-1)[:size].reshape(shape)
 
 
 def compile_kernels() -> None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import concurrent.futures
 import inspect
 import logging
+import threading
 import types
 from collections import Counter
 
@@ -293,3 +294,47 @@ def test_a_page_list_sglang_cannot_read_runs_the_original():
     assert expected["error"][0] is AttributeError
     hooked = conn.MooncakeKVManager.send_kvcache_slice
     assert run(hooked, scenario, ArraysEngine(), ONE_THREAD) == expected
+
+
+class HeldLayerEngine(ArraysEngine):
+    """Holds layer 1's call until `release` is set; fails layer 0's once layer 1's is held."""
+
+    def __init__(self, layer_ptrs: list[int]) -> None:
+        super().__init__(fail_src_range=range(layer_ptrs[0], layer_ptrs[0] + BUFFER_SPAN))
+        self.held_src = range(layer_ptrs[1], layer_ptrs[1] + BUFFER_SPAN)
+        self.holding, self.release = threading.Event(), threading.Event()
+        self.held_columns: list[np.ndarray] = []
+
+    def batch_transfer_sync_write_arrays(self, session: str, srcs, dsts, lens) -> int:
+        if int(srcs[0]) in self.held_src:
+            self.held_columns = [srcs, dsts]
+            self.holding.set()
+            assert self.release.wait(30)
+        else:
+            assert self.holding.wait(30)
+        return super().batch_transfer_sync_write_arrays(session, srcs, dsts, lens)
+
+
+def test_an_address_block_is_reused_only_after_every_call_of_its_send_ended(monkeypatch):
+    """sglang returns at the first failure while another layer's call runs: the block waits."""
+    monkeypatch.setattr(send_slice, "ADDRESS_BLOCKS", blocks := send_slice.AddressBlocks())
+    src_ptrs = buffer_ptrs(2**40, 2)
+    raw = HeldLayerEngine(src_ptrs)
+    manager = make_manager(sglang_wrapper(raw))
+    manager.attn_tp_size = 2
+    kv_args = manager.kv_args
+    kv_args.kv_data_ptrs, kv_args.kv_item_lens, kv_args.kv_layer_ids = src_ptrs, [64, 64], []
+    kv_args.page_size, kv_args.engine_rank, kv_args.kv_head_num = 4, 0, 2
+    kv_args.total_kv_head_num = 4
+    pages = np.arange(3)
+    with concurrent.futures.ThreadPoolExecutor(max_workers=2) as executor:
+        call = (SESSION, pages, buffer_ptrs(2**46, 2), pages, 1, 4, 32, executor)
+        status = conn.MooncakeKVManager.send_kvcache_slice(manager, *call)
+        assert status == -1
+        assert raw.holding.is_set() and blocks.free == ()  # layer 1's call still reads it
+        raw.release.set()
+    [block] = blocks.free
+    assert all(np.shares_memory(block, column) for column in raw.held_columns)
+    assert conn.MooncakeKVManager.send_kvcache_slice(manager, *call[:-1], ONE_THREAD) == -1
+    ONE_THREAD.submit(lambda: None).result()  # its layer 1 call, if it started, has ended
+    assert blocks.free[0] is block  # the next send wrote into it
