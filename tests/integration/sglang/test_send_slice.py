@@ -296,6 +296,42 @@ def test_a_page_list_sglang_cannot_read_runs_the_original():
     assert run(hooked, scenario, ArraysEngine(), ONE_THREAD) == expected
 
 
+@pytest.mark.parametrize("total_heads", [2, 8])
+@pytest.mark.parametrize(("src_tp", "dst_tp"), [(2, 4), (4, 2), (1, 16), (16, 1), (8, 16), (16, 8)])
+def test_every_rank_pair_gets_sglang_slices(total_heads: int, src_tp: int, dst_tp: int):
+    """Every (prefill rank, decode rank) pair, replication (TP > heads) included."""
+    head_len, page_size = 4, 2
+    src_heads, dst_heads = max(1, total_heads // src_tp), max(1, total_heads // dst_tp)
+    for engine_rank in range(src_tp):
+        for dst_tp_rank in range(dst_tp):
+            scenario = {
+                "kv_args": {
+                    "kv_data_ptrs": buffer_ptrs(2**40, 2),
+                    "kv_item_lens": [page_size * src_heads * head_len] * 2,
+                    "kv_layer_ids": [],
+                    "page_size": page_size,
+                    "engine_rank": engine_rank,
+                    "kv_head_num": src_heads,
+                    "total_kv_head_num": total_heads,
+                },
+                "call": {
+                    "mooncake_session_id": SESSION,
+                    "prefill_kv_indices": np.array([5, 2]),
+                    "dst_kv_ptrs": buffer_ptrs(2**46, 2),
+                    "dst_kv_indices": np.array([1, 7]),
+                    "dst_tp_rank": dst_tp_rank,
+                    "dst_attn_tp_size": dst_tp,
+                    "dst_kv_item_len": page_size * dst_heads * head_len,
+                },
+                "manager": {},
+                "tp": src_tp,
+            }
+            expected = run(ORIGINAL_SLICE, scenario, ArraysEngine(), ONE_THREAD)
+            hooked = conn.MooncakeKVManager.send_kvcache_slice
+            assert run(hooked, scenario, ArraysEngine(), ONE_THREAD) == expected
+            assert expected["status"] == 0 and len(expected["calls"]) == 2
+
+
 class HeldLayerEngine(ArraysEngine):
     """Holds layer 1's call until `release` is set; fails layer 0's once layer 1's is held."""
 
