@@ -325,7 +325,8 @@ class AddressBlocks:
         with self._lock:
             self._free.append(block)
             if len(self._free) > self.MAX_FREE:
-                self._free.remove(min(self._free, key=lambda free: free.size))
+                smallest = min(range(len(self._free)), key=lambda i: self._free[i].size)
+                del self._free[smallest]
 
 
 ADDRESS_BLOCKS = AddressBlocks()

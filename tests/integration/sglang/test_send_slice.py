@@ -39,6 +39,7 @@ BUFFER_SPAN = 2**32  # fake buffers: one per 4 GiB, so a failing range names one
 ONE_THREAD = concurrent.futures.ThreadPoolExecutor(max_workers=1)
 FOUR_THREADS = concurrent.futures.ThreadPoolExecutor(max_workers=4)
 SESSION = "127.0.0.1:12345"
+rarely = st.sampled_from([False] * 9 + [True])  # each way sglang raises: 1 in 10
 
 
 def test_the_plugin_hooks_both_slice_sends():
@@ -148,19 +149,19 @@ def swa_slice_scenarios(draw) -> dict:
     head_lens = head_lens + head_lens  # K entries, then V entries of the same layers
     src_item_lens = [page_size * config["src_heads"] * n for n in head_lens]
     dst_item_lens = [page_size * config["dst_heads"] * n for n in head_lens]
-    if draw(st.booleans()) and draw(st.booleans()):  # item lengths that do not split: raises
+    if draw(rarely):  # item lengths that do not split: raises
         dst_item_lens[0] += 1
     num_pages = draw(st.integers(0, 5))
     src_pages = draw(st.lists(st.integers(0, 4000), min_size=num_pages, max_size=num_pages))
     dst_pages = draw(st.lists(st.integers(0, 4000), min_size=num_pages, max_size=num_pages))
-    if draw(st.booleans()) and draw(st.booleans()):
+    if draw(rarely):
         dst_pages = dst_pages + [7]  # unequal page counts: raises
     kv_args = {
         "page_size": page_size,
         "engine_rank": config["engine_rank"],
         "kv_head_num": config["src_heads"],
         "total_kv_head_num": draw(st.sampled_from([config["total_heads"], 0])),
-        "swa_kv_cache_layout": draw(st.sampled_from(["nhd", "nhd", "nhd", "hnd"])),
+        "swa_kv_cache_layout": "hnd" if draw(rarely) else "nhd",
     }
     call = {
         "req": types.SimpleNamespace(mooncake_session_id=SESSION),
@@ -173,7 +174,7 @@ def swa_slice_scenarios(draw) -> dict:
         "dst_tp_rank": config["dst_tp_rank"],
         "dst_attn_tp_size": config["dst_tp"],
     }
-    manager = {"pp_size": draw(st.sampled_from([1, 1, 1, 2])), "start_layer": 0}
+    manager = {"pp_size": 2 if draw(rarely) else 1, "start_layer": 0}
     return {"kv_args": kv_args, "call": call, "manager": manager, "tp": config["src_tp"]}
 
 
@@ -374,3 +375,14 @@ def test_an_address_block_is_reused_only_after_every_call_of_its_send_ended(monk
     assert conn.MooncakeKVManager.send_kvcache_slice(manager, *call[:-1], ONE_THREAD) == -1
     ONE_THREAD.submit(lambda: None).result()  # its layer 1 call, if it started, has ended
     assert blocks.free[0] is block  # the next send wrote into it
+
+
+def test_address_blocks_keep_the_largest_free_blocks_and_hand_out_the_smallest_fitting():
+    blocks = send_slice.AddressBlocks()
+    given = [np.empty(size, dtype=np.int64) for size in (30, 10, 20)]
+    for block in given:
+        blocks.give_back(block)
+    assert [block.size for block in blocks.free] == [30, 20]  # MAX_FREE = 2: the 10 went
+    assert blocks.take(15) is given[2]
+    assert blocks.take(15) is given[0]
+    assert blocks.take(15).size == 15  # none left: a new one
