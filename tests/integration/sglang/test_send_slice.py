@@ -42,6 +42,17 @@ SESSION = "127.0.0.1:12345"
 rarely = st.sampled_from([False] * 9 + [True])  # each way sglang raises: 1 in 10
 
 
+@pytest.fixture(autouse=True)
+def no_failing_future_callback():
+    """A done callback that raises is only logged by concurrent.futures: fail the test on it."""
+    lines = LogLines()
+    logging.getLogger("concurrent.futures").addHandler(lines)
+    yield
+    ONE_THREAD.submit(lambda: None).result()  # every queued call (and its callbacks) has run
+    logging.getLogger("concurrent.futures").removeHandler(lines)
+    assert lines.lines == []
+
+
 def test_the_plugin_hooks_both_slice_sends():
     assert conn.MooncakeKVManager.send_kvcache_slice is not ORIGINAL_SLICE
     assert conn.MooncakeKVManager._send_swa_state_slice is not ORIGINAL_SWA
