@@ -168,27 +168,35 @@ class SendPathBench:
             raise RuntimeError(f"send statuses {statuses}: expected the refused peer's -1 on both")
         sends = {"sglang": self.send_sglang, "hooked": self.send_hooked}
         with GilProbe() as probe:
-            holds = {variant: GilHolds(probe) for variant in VARIANTS}
-            stages = {name: Stage(sends[name], holds[name].timer) for name in VARIANTS}
-            interleaved = measure_interleaved(stages, policy)
-            alone, alone_holds = {}, {}
-            for name in VARIANTS:
-                alone_holds[name] = GilHolds(probe)
-                stage = Stage(sends[name], alone_holds[name].timer)
-                alone[name] = measure_interleaved({name: stage}, policy)[name]
-        figures: dict[str, Any] = {"handoff": self.handoff, "status": statuses["sglang"]}
-        for variant in VARIANTS:
-            figures[variant] = {
-                **interleaved[variant].as_dict(),
-                "gil_hold": gil_hold_figures(holds[variant].holds),
-                "alone": {
-                    **alone[variant].as_dict(),
-                    "gil_hold": gil_hold_figures(alone_holds[variant].holds),
-                },
+            figures = measure_sends(probe, sends, policy)
+            alone = {
+                name: measure_sends(probe, {name: send}, policy)[name]
+                for name, send in sends.items()
             }
-        figures["speedup"] = interleaved["sglang"].median / interleaved["hooked"].median
-        figures["speedup_alone"] = alone["sglang"].median / alone["hooked"].median
-        return figures
+        for variant in VARIANTS:
+            figures[variant]["alone"] = alone[variant]
+        figures["speedup_alone"] = alone["sglang"]["median"] / alone["hooked"]["median"]
+        return {"handoff": self.handoff, "status": statuses["sglang"], **figures}
+
+
+def measure_sends(
+    probe: GilProbe, sends: dict[str, Callable[[], int]], policy: RepeatPolicy
+) -> dict[str, Any]:
+    """`sends` timed interleaved, each call's longest GIL hold seen by `probe`.
+
+    Per send: its timing figures and `gil_hold`; with both sglang's and the
+    hooked send, also `speedup` (sglang's median over the hooked one's).
+    """
+    holds = {name: GilHolds(probe) for name in sends}
+    stages = {name: Stage(send, holds[name].timer) for name, send in sends.items()}
+    timings = measure_interleaved(stages, policy)
+    figures: dict[str, Any] = {
+        name: {**timings[name].as_dict(), "gil_hold": gil_hold_figures(holds[name].holds)}
+        for name in sends
+    }
+    if set(sends) == set(VARIANTS):
+        figures["speedup"] = timings["sglang"].median / timings["hooked"].median
+    return figures
 
 
 def gil_hold_figures(holds: list[float]) -> dict[str, float]:

@@ -26,8 +26,8 @@ from typing import Any
 
 import numpy as np
 
-from bench.harness import RepeatPolicy, Stage, measure_interleaved
-from bench.send_path import REFUSING_PEER, VARIANTS, GilHolds, GilProbe, gil_hold_figures
+from bench.harness import RepeatPolicy
+from bench.send_path import REFUSING_PEER, GilProbe, measure_sends
 
 LAYERS, KV_HEADS, HEAD_DIM, DTYPE_BYTES, PAGE_SIZE = 80, 8, 128, 2, 64
 SRC_TP, SRC_RANK, DST_TP, DST_RANK = 2, 0, 4, 1
@@ -120,17 +120,8 @@ class SlicePathBench:
             raise RuntimeError(f"send statuses differ: {statuses}")
         sends = {"sglang": self.send_sglang, "hooked": self.send_hooked}
         with GilProbe() as probe:
-            holds = {variant: GilHolds(probe) for variant in VARIANTS}
-            stages = {name: Stage(sends[name], holds[name].timer) for name in VARIANTS}
-            timings = measure_interleaved(stages, policy)
-        figures: dict[str, Any] = {"handoff": self.handoff, "status": statuses["sglang"]}
-        for variant in VARIANTS:
-            figures[variant] = {
-                **timings[variant].as_dict(),
-                "gil_hold": gil_hold_figures(holds[variant].holds),
-            }
-        figures["speedup"] = timings["sglang"].median / timings["hooked"].median
-        return figures
+            figures = measure_sends(probe, sends, policy)
+        return {"handoff": self.handoff, "status": statuses["sglang"], **figures}
 
 
 def main() -> None:
