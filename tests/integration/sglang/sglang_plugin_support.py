@@ -45,7 +45,17 @@ __all__ = [
     "hooked_send",
     "make_manager",
     "minimax",
+    "send_outcome",
 ]
+
+
+def send_outcome(send, manager: conn.MooncakeKVManager, *args, **kwargs) -> dict:
+    """Call `send(manager, ...)`: its status, or the error sglang raised, and its failures."""
+    try:
+        status, error = send(manager, *args, **kwargs), None
+    except Exception as exc:  # sglang's own errors must surface unchanged
+        status, error = None, (type(exc), str(exc))
+    return {"status": status, "error": error, "failures": manager.conclude_failure.calls}
 
 
 def hooked_send():

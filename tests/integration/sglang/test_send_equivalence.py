@@ -17,7 +17,14 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from sglang_plugin_support import ORIGINALS, RecordingEngine, conn, hooked_send, make_manager
+from sglang_plugin_support import (
+    ORIGINALS,
+    RecordingEngine,
+    conn,
+    hooked_send,
+    make_manager,
+    send_outcome,
+)
 from sglang_send_scenarios import LAYOUT_KINDS, SESSION, SendScenario, send_scenarios
 
 from gpu_planner.integration.sglang import send as sglang_send
@@ -40,16 +47,7 @@ def run_send(send, scenario: SendScenario, positional: bool) -> dict:
     manager = make_manager(engine, **scenario.manager)
     call = {**scenario.call, "executor": EXECUTOR}
     args = [call.pop(name) for name in POSITIONAL] if positional else []
-    try:
-        status, error = send(manager, *args, **call), None
-    except Exception as exc:  # sglang's own errors must surface unchanged
-        status, error = None, (type(exc), str(exc))
-    return {
-        "status": status,
-        "error": error,
-        "calls": engine.calls,
-        "failures": manager.conclude_failure.calls,
-    }
+    return {**send_outcome(send, manager, *args, **call), "calls": engine.calls}
 
 
 def assert_python_ints(calls) -> None:

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from sglang_plugin_support import ORIGINALS, hooked_send, make_manager
+from sglang_plugin_support import ORIGINALS, hooked_send, make_manager, send_outcome
 from sglang_send_scenarios import LAYOUT_KINDS, SendScenario, send_scenarios
 
 from gpu_planner.integration.mooncake import handoff
@@ -99,17 +99,8 @@ def sglang_wrapper(raw) -> MooncakeTransferEngine:
 def run_send(send, scenario: SendScenario, raw_type: type, raises: bool) -> dict:
     raw = raw_type(**scenario.engine, raises=raises)
     manager = make_manager(sglang_wrapper(raw), **scenario.manager)
-    try:
-        status, error = send(manager, **scenario.call, executor=EXECUTOR), None
-    except Exception as exc:  # sglang's own errors must surface unchanged
-        status, error = None, (type(exc), str(exc))
-    return {
-        "status": status,
-        "error": error,
-        "calls": raw.calls,
-        "types": raw.argument_types,
-        "failures": manager.conclude_failure.calls,
-    }
+    outcome = send_outcome(send, manager, **scenario.call, executor=EXECUTOR)
+    return {**outcome, "calls": raw.calls, "types": raw.argument_types}
 
 
 @pytest.mark.parametrize("raw_type", [ListEngine, ArraysEngine], ids=["list", "arrays"])
