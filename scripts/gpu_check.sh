@@ -43,7 +43,7 @@ fi
 "$python" -m pip install -q --no-deps --no-build-isolation -e . >>"$out/install.txt" 2>&1 \
   || broken_install "editable install of gpu_planner"
 "$python" -c "import gpu_planner, gpu_planner.kernels.run_scan, gpu_planner.kernels.expand_descriptors, \
-gpu_planner.kernels.page_indices, numba, nvtx, torch; assert torch.cuda.is_available(); \
+gpu_planner.kernels.page_indices, numba, torch; assert torch.cuda.is_available(); \
 print('numba', numba.__version__)" >>"$out/install.txt" 2>&1 \
   || broken_install "gpu_planner, its kernels or CUDA do not import"
 
