@@ -160,8 +160,8 @@ class GpuPlannerBackend(Planner):
 
     def prepare(self, bench_input: BenchInput) -> None:
         self._src = self._pages(bench_input.src_pages)
-        self._host_dst = self._pages(bench_input.dst_pages)
-        self._device_dst = self._pages(bench_input.dst_device_pages)
+        self._dst_pages = self._pages(bench_input.dst_pages)
+        self._dst_device_pages = self._pages(bench_input.dst_device_pages)
         self._max_batch_pages = bench_input.case.batch_pages
         self._layout = gp.BufferLayout(
             bench_input.src_ptrs,
@@ -175,9 +175,9 @@ class GpuPlannerBackend(Planner):
         with bench_range(f"{self.name}/plan_transfer"):
             return gp.plan_transfer(
                 self._src,
-                self._host_dst,
+                self._dst_pages,
                 self._layout,
-                dst_device_pages=self._device_dst,
+                dst_device_pages=self._dst_device_pages,
                 max_batch_pages=self._max_batch_pages,
                 backend=self.backend,
             )

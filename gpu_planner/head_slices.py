@@ -25,15 +25,16 @@ import numpy as np
 from gpu_planner.cpu_backend import _compiled
 from gpu_planner.errors import PlanValidationError
 from gpu_planner.inputs import (
+    INT64_MAX,
     IndexLike,
     as_host_array,
     as_page_list,
     check_page_size,
     check_same_length,
+    is_integer,
     negative_page_error,
 )
 
-INT64_MAX = 2**63 - 1
 SIDES = ("src", "dst")
 # Rows of a side's geometry table, one value per layer.
 FIELDS = ("ptrs", "page_lens", "token_lens", "head_offsets")
@@ -44,7 +45,7 @@ PerLayer = int | Sequence[int] | np.ndarray  # one value for every layer, or one
 
 def _per_layer(values: PerLayer, name: str, num_layers: int) -> np.ndarray:
     """`values` as int64 [num_layers], each in [0, 2**63); the error names the layer."""
-    if isinstance(values, (int, np.integer)) and not isinstance(values, (bool, np.bool_)):
+    if is_integer(values):
         values = [values] * num_layers
     try:
         listed = list(values)
@@ -55,7 +56,7 @@ def _per_layer(values: PerLayer, name: str, num_layers: int) -> np.ndarray:
     if len(listed) != num_layers:
         raise PlanValidationError(f"{name}: has {len(listed)} values for {num_layers} layers")
     for layer, value in enumerate(listed):
-        if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        if not is_integer(value):
             raise PlanValidationError(f"{name}[{layer}] = {value!r}: must be an integer")
         if not 0 <= int(value) <= INT64_MAX:
             raise PlanValidationError(f"{name}[{layer}] = {int(value)}: must be in [0, 2**63)")

@@ -19,7 +19,7 @@ PageList = torch.Tensor | np.ndarray  # validated: a NumPy array for data in hos
 _INDEX_DTYPES = (torch.int32, torch.int64)
 _INDEX_ARRAY_DTYPES = (np.dtype(np.int32), np.dtype(np.int64))
 HOST = torch.device("cpu")
-_INT64_MAX = 2**63 - 1
+INT64_MAX = 2**63 - 1  # the largest page, pointer, length or byte address
 
 
 def as_page_list(values: IndexLike, name: str) -> PageList:
@@ -49,7 +49,7 @@ def _checked_array(values: np.ndarray, name: str) -> np.ndarray:
         raise PlanValidationError(f"{name}: expected a 1-D tensor, got shape {values.shape}")
     if values.dtype not in _INDEX_ARRAY_DTYPES:
         if values.dtype == np.uint64:
-            _check_fits_int64(np.flatnonzero(values > _INT64_MAX), values, name)
+            _check_fits_int64(np.flatnonzero(values > INT64_MAX), values, name)
         values = values.astype(np.int64)
     return values
 
@@ -97,21 +97,21 @@ def as_index_tensor(values: IndexLike, name: str) -> torch.Tensor:
     return as_tensor(as_page_list(values, name))
 
 
-def _is_integer(value: object) -> bool:
+def is_integer(value: object) -> bool:
     """A Python or NumPy integer, not a bool (True is no page count)."""
     return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
 
 
 def check_page_size(page_size: int) -> int:
     """`page_size` as a Python int; refuse anything but an integer >= 1."""
-    if not _is_integer(page_size) or page_size < 1:
+    if not is_integer(page_size) or page_size < 1:
         raise PlanValidationError(f"page_size: must be an integer >= 1, got {page_size!r}")
     return int(page_size)
 
 
 def check_max_batch_pages(max_batch_pages: int) -> int:
     """`max_batch_pages` as a Python int; refuse anything but an integer >= 0."""
-    if not _is_integer(max_batch_pages) or max_batch_pages < 0:
+    if not is_integer(max_batch_pages) or max_batch_pages < 0:
         raise PlanValidationError(
             f"max_batch_pages: must be an integer >= 0 (0 = no cut), got {max_batch_pages!r}"
         )
@@ -156,8 +156,7 @@ class PageRequest:
 
     pages: dict[str, PageList]  # by argument name: src_pages, dst_pages[, dst_device_pages]
     torch_device: torch.device
-    max_batch_pages: int  # the caller's cut (0 = none)
-    batch_pages: int  # pages per batch actually used (all pages when not cut)
+    batch_pages: int  # pages per batch (all pages when not cut)
 
     @property
     def num_pages(self) -> int:
@@ -185,10 +184,7 @@ def collect_pages(
             check_same_length(pages["src_pages"], "src_pages", pages[name], name)
     num_pages = len(pages["src_pages"])
     return PageRequest(
-        pages,
-        check_same_torch_device(pages),
-        max_batch_pages,
-        batch_page_count(num_pages, max_batch_pages),
+        pages, check_same_torch_device(pages), batch_page_count(num_pages, max_batch_pages)
     )
 
 

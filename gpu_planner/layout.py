@@ -10,12 +10,10 @@ import torch
 
 from gpu_planner.cuda_streams import copy_tables_to_device
 from gpu_planner.errors import BoundsError, PlanValidationError
+from gpu_planner.inputs import INT64_MAX
 
 HOST_SPACE = 0
 DEVICE_SPACE = 1
-
-
-INT64_MAX = 2**63 - 1  # the last byte address a descriptor may reach
 
 
 def _as_int64(values: Sequence[int] | np.ndarray | torch.Tensor, name: str) -> np.ndarray:

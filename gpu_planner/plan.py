@@ -121,7 +121,7 @@ class TransferPlan:
         runs, layout = launched.runs, self.layout
         with on_torch_device(launched.torch_device), _reading_stream(launched) as stream:
             with nvtx_range("materialize/read_counts"):
-                _, batch_run_offsets = read_device_counts(runs, stream)
+                batch_run_offsets = read_device_counts(runs, stream)
             run_counts = [int(offsets[-1]) for offsets in batch_run_offsets]
             with nvtx_range("materialize/expand"):
                 descriptors = launch_expand_descriptors(

@@ -89,8 +89,8 @@ def group_runs(
 
 def read_device_counts(
     runs: DeviceRuns, stream: torch.cuda.Stream | None = None
-) -> tuple[np.ndarray, list[np.ndarray]]:
-    """The kernels' status word and each space's batch run offsets, in one small host read.
+) -> list[np.ndarray]:
+    """Each space's batch run offsets, read with the status word in one small host read.
 
     The copy runs on `stream` (default: the current one) and the host waits
     on it alone. Raises the first negative page the kernels recorded.
@@ -100,7 +100,7 @@ def read_device_counts(
     # Copied out of the pinned block, so the block is free for the next read at once.
     metadata = copy_to_host(runs.metadata, stream).numpy().copy()
     raise_recorded_negative_page(metadata[:NUM_SLOTS])
-    return metadata[:NUM_SLOTS], list(metadata[NUM_SLOTS:].reshape(runs.num_spaces, -1))
+    return list(metadata[NUM_SLOTS:].reshape(runs.num_spaces, -1))
 
 
 def _run_list_from_host(space: cpu_backend.SpaceRuns, torch_device: torch.device) -> RunList:
@@ -126,7 +126,7 @@ def launch_runs(pages: dict[str, PageList], batch_pages: int) -> DeviceRuns:
 def _group_runs_with_kernels(pages: dict[str, PageList], batch_pages: int) -> list[RunList]:
     with on_torch_device(as_tensor(pages["src_pages"]).device):
         runs = launch_runs(pages, batch_pages)
-        _, batch_run_offsets = read_device_counts(runs)
+        batch_run_offsets = read_device_counts(runs)
     run_counts = [int(offsets[-1]) for offsets in batch_run_offsets]
     return [
         RunList(

@@ -2,7 +2,7 @@
 
 sglang groups contiguous pages with NumPy and builds every descriptor in a
 Python double loop. The hook keeps sglang's entry mapping (see
-`sglang_entries`) and its engine calls, but plans the runs and descriptors with
+`entries`) and its engine calls, but plans the runs and descriptors with
 gpu_planner: the same engine calls, with the same descriptors, in the same
 order, and the same return value. Inputs the planner does not model fall back
 to the original function, logged once per reason.

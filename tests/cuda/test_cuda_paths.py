@@ -45,14 +45,14 @@ def request(num_pages: int, num_buffers: int, seed: int):
 
 
 def expected_columns(pages, layout, max_batch_pages=0) -> np.ndarray:
-    src, dst, device_dst = pages
-    plan = gp.plan_transfer(src, dst, layout, device_dst, max_batch_pages, backend="cpu")
+    src, dst, dst_device = pages
+    plan = gp.plan_transfer(src, dst, layout, dst_device, max_batch_pages, backend="cpu")
     return plan.columns_array()
 
 
 def plan_on(device: torch.device, pages, layout, max_batch_pages=0) -> gp.TransferPlan:
-    src, dst, device_dst = (torch.from_numpy(values).to(device) for values in pages)
-    return gp.plan_transfer(src, dst, layout, device_dst, max_batch_pages, backend="triton")
+    src, dst, dst_device = (torch.from_numpy(values).to(device) for values in pages)
+    return gp.plan_transfer(src, dst, layout, dst_device, max_batch_pages, backend="triton")
 
 
 @needs_kernels
