@@ -107,6 +107,7 @@ SEND_COLUMNS = [
     "send path",
     "interleaved med [p10-p90]",
     "GIL hold med / max",
+    "GIL wait max",
     "alone med [p10-p90]",
     "GIL hold med / max",
     "speedup (alone)",
@@ -119,7 +120,7 @@ def _hold(figures: dict[str, Any]) -> str:
 
 
 def send_path_rows(send: dict[str, Any]) -> list[list[str]]:
-    """sglang's send and the hooked one: times and longest GIL holds, interleaved and alone."""
+    """sglang's send and the hooked one: times, GIL holds and waits, interleaved and alone."""
     rows = []
     for variant in ("sglang", "hooked"):
         figures = send[variant]
@@ -131,6 +132,7 @@ def send_path_rows(send: dict[str, Any]) -> list[list[str]]:
                 variant,
                 _format_timing(figures),
                 _hold(figures),
+                format_seconds(figures["gil_wait"]["max"]),
                 _format_timing(figures["alone"]),
                 _hold(figures["alone"]),
                 speedup,

@@ -8,9 +8,10 @@ descriptors, so the figures hold everything up to the wire and nothing of the
 wire. sglang's code makes one call per batch and stops at the first failure,
 as does the hook, so on one-batch cases both do all their work.
 
-A probe thread sleeps `GilProbe.INTERVAL_S` in a loop and records the longest
-gap between its wake-ups during each timed call: the longest stretch in which
-the send kept the GIL from other threads (sglang's scheduler among them).
+Then, in calls of their own, `bench.gil.GilMonitor` records each call's
+longest single GIL hold (read from CPython's GIL state; wall clock, and how
+long the holder ran in it) and the longest wait of a ready thread for the GIL
+(what sglang's scheduler would feel).
 
 Each send is timed twice: interleaved with the other (the harness's rule, the
 headline: a load change hits both alike; each call follows the other send's,
@@ -23,74 +24,20 @@ memory that must be faulted in: at page size 1 the engine's binding builds a
 
 from __future__ import annotations
 
-import dataclasses
 import inspect
 import os
-import threading
-import time
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
+from bench.gil import GilMonitor, GilWindow
 from bench.harness import RepeatPolicy, Stage, measure_interleaved
 from bench.inputs import BenchInput
 
 REFUSING_PEER = "127.0.0.1:9"  # the discard port: nothing listens there
 VARIANTS = ("sglang", "hooked")
-
-
-class GilProbe:
-    """A thread that wakes every INTERVAL_S and records the longest gap within a window."""
-
-    INTERVAL_S = 50e-6
-
-    def __init__(self) -> None:
-        self._window_start = time.perf_counter()
-        self._longest = 0.0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="gil-probe", daemon=True)
-
-    def __enter__(self) -> GilProbe:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc_info) -> None:
-        self._stop.set()
-        self._thread.join()
-
-    def _run(self) -> None:
-        last = time.perf_counter()
-        while not self._stop.is_set():
-            time.sleep(self.INTERVAL_S)
-            now = time.perf_counter()
-            gap = now - max(last, self._window_start)
-            if gap > self._longest:
-                self._longest = gap
-            last = now
-
-    def window(self, fn: Callable[[], Any]) -> tuple[float, float]:
-        """Call `fn`; (its wall seconds, the longest probe gap while it ran)."""
-        self._longest = 0.0
-        self._window_start = start = time.perf_counter()
-        fn()
-        elapsed = time.perf_counter() - start
-        time.sleep(2 * self.INTERVAL_S)  # let the probe close the gap the call left open
-        return elapsed, self._longest
-
-
-@dataclasses.dataclass
-class GilHolds:
-    """The longest probe gap of each timed call of one send (warm-up calls included)."""
-
-    probe: GilProbe
-    holds: list[float] = dataclasses.field(default_factory=list)
-
-    def timer(self, fn: Callable[[], Any]) -> float:
-        """A harness timer: the call's wall seconds; its longest GIL hold is kept."""
-        elapsed, hold = self.probe.window(fn)
-        self.holds.append(hold)
-        return elapsed
+GIL_CALLS = 30  # watched calls per send, at most
 
 
 def send_path_available() -> str | None:
@@ -159,7 +106,7 @@ class SendPathBench:
         return self._hook(self._original, self._manager, *args, **kwargs)
 
     def measure(self, policy: RepeatPolicy) -> dict[str, Any]:
-        """Both sends timed interleaved, then each alone, under the GIL probe.
+        """Both sends timed interleaved, then each alone, under the GIL monitor.
 
         Their statuses must agree (-1: the refused peer).
         """
@@ -167,38 +114,59 @@ class SendPathBench:
         if statuses["sglang"] != statuses["hooked"] or statuses["sglang"] == 0:
             raise RuntimeError(f"send statuses {statuses}: expected the refused peer's -1 on both")
         sends = {"sglang": self.send_sglang, "hooked": self.send_hooked}
-        with GilProbe() as probe:
-            figures = measure_sends(probe, sends, policy)
-            alone = {
-                name: measure_sends(probe, {name: send}, policy)[name]
-                for name, send in sends.items()
-            }
+        figures = measure_sends(sends, policy)
+        alone = {name: measure_sends({name: send}, policy)[name] for name, send in sends.items()}
         for variant in VARIANTS:
             figures[variant]["alone"] = alone[variant]
         figures["speedup_alone"] = alone["sglang"]["median"] / alone["hooked"]["median"]
         return {"handoff": self.handoff, "status": statuses["sglang"], **figures}
 
 
-def measure_sends(
-    probe: GilProbe, sends: dict[str, Callable[[], int]], policy: RepeatPolicy
-) -> dict[str, Any]:
-    """`sends` timed interleaved, each call's longest GIL hold seen by `probe`.
+def measure_sends(sends: dict[str, Callable[[], int]], policy: RepeatPolicy) -> dict[str, Any]:
+    """`sends` timed interleaved, then watched by a `GilMonitor` in calls of their own.
 
-    Per send: its timing figures and `gil_hold`; with both sglang's and the
+    The monitor's threads wake tens of thousands of times a second, which on a
+    small machine slows what they watch; so the times come from calls without
+    it. Each send is watched in as many calls as it was timed in, `GIL_CALLS`
+    at most, interleaved, with the garbage collector on as in sglang's process
+    (the timed calls have it off, `bench.harness`).
+
+    Per send: its timing figures and `gil_figures`; with both sglang's and the
     hooked send, also `speedup` (sglang's median over the hooked one's).
     """
-    holds = {name: GilHolds(probe) for name in sends}
-    stages = {name: Stage(send, holds[name].timer) for name, send in sends.items()}
-    timings = measure_interleaved(stages, policy)
+    timings = measure_interleaved({name: Stage(send) for name, send in sends.items()}, policy)
+    calls = {name: min(timing.repeats, GIL_CALLS) for name, timing in timings.items()}
+    windows: dict[str, list[GilWindow]] = {name: [] for name in sends}
+    with GilMonitor() as monitor:
+        for round_index in range(max(calls.values())):
+            for name, send in sends.items():
+                if round_index < calls[name]:
+                    windows[name].append(monitor.window(send))
+        realtime = monitor.realtime
     figures: dict[str, Any] = {
-        name: {**timings[name].as_dict(), "gil_hold": gil_hold_figures(holds[name].holds)}
-        for name in sends
+        name: {**timings[name].as_dict(), **gil_figures(windows[name], realtime)} for name in sends
     }
     if set(sends) == set(VARIANTS):
         figures["speedup"] = timings["sglang"].median / timings["hooked"].median
     return figures
 
 
-def gil_hold_figures(holds: list[float]) -> dict[str, float]:
-    """The longest probe gap per call: median over calls (the typical call) and the maximum."""
-    return {"median": float(np.median(holds)), "max": float(max(holds)), "calls": len(holds)}
+def gil_figures(windows: list[GilWindow], realtime: bool) -> dict[str, Any]:
+    """Per call's longest GIL hold (wall clock, and the holder's running time) and longest
+    GIL wait: median over calls and maximum.
+
+    `gil_sample_gap` is the sampler's longest gap between samples over all
+    calls (holds are exact to about two gaps); `gil_realtime` whether the
+    monitor's threads ran with real-time scheduling.
+    """
+
+    def over_calls(values: list[float]) -> dict[str, float]:
+        return {"median": float(np.median(values)), "max": float(max(values)), "calls": len(values)}
+
+    return {
+        "gil_hold": over_calls([window.hold for window in windows]),
+        "gil_hold_running": over_calls([window.running for window in windows]),
+        "gil_wait": over_calls([window.wait for window in windows]),
+        "gil_sample_gap": max(window.sample_gap for window in windows),
+        "gil_realtime": realtime,
+    }

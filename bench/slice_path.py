@@ -11,7 +11,7 @@ after the first failure, so a thin proxy reports the refused -1 as 0: every
 layer runs, as on a live peer. The executor has 3 threads (sglang's default
 pool on a 192-CPU node with its 4 transfer queues).
 
-Timing and the GIL probe are `bench.harness` and `bench.send_path`'s. Run:
+Timing is `bench.harness`'s, the GIL figures `bench.gil`'s (through `bench.send_path`). Run:
 `python -m bench.slice_path [--tokens 32768 131072]`; prints one JSON object.
 """
 
@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from bench.harness import RepeatPolicy
-from bench.send_path import REFUSING_PEER, GilProbe, measure_sends
+from bench.send_path import REFUSING_PEER, measure_sends
 
 LAYERS, KV_HEADS, HEAD_DIM, DTYPE_BYTES, PAGE_SIZE = 80, 8, 128, 2, 64
 SRC_TP, SRC_RANK, DST_TP, DST_RANK = 2, 0, 4, 1
@@ -114,13 +114,12 @@ class SlicePathBench:
         return self._hook(self._original, self._manager, *self._arguments)
 
     def measure(self, policy: RepeatPolicy) -> dict[str, Any]:
-        """Both sends timed interleaved under the GIL probe; statuses must agree."""
+        """Both sends timed interleaved under the GIL monitor; statuses must agree."""
         statuses = {"sglang": self.send_sglang(), "hooked": self.send_hooked()}
         if statuses["sglang"] != statuses["hooked"]:
             raise RuntimeError(f"send statuses differ: {statuses}")
         sends = {"sglang": self.send_sglang, "hooked": self.send_hooked}
-        with GilProbe() as probe:
-            figures = measure_sends(probe, sends, policy)
+        figures = measure_sends(sends, policy)
         return {"handoff": self.handoff, "status": statuses["sglang"], **figures}
 
 

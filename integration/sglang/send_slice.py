@@ -7,9 +7,11 @@ engine call. The hooks keep sglang's layout decisions as sglang makes them
 (head-slice parameters from `compute_head_slice_params`, layer pairing by
 layer ids or `get_mha_kv_ptrs_with_pp`, its validation, its -1 returns and
 their log lines, its exceptions), build every layer's descriptors in one
-compiled pass without the GIL (`gpu_planner.head_slices`), then submit one
-engine call per layer to the executor as sglang does and await them with the
-manager's own `_await_transfer_futures`. Through sglang's wrapper around a
+compiled pass without the GIL (`gpu_planner.head_slices`), then make one
+engine call per layer from the executor's threads, in sglang's order, awaited
+by the manager's own `_await_transfer_futures` (one task per executor thread
+that takes the layers in turn, rather than one submitted task per layer:
+`_send_layers`). Through sglang's wrapper around a
 Mooncake 0.3.14 engine the calls take the descriptor arrays directly
 (`send.engine_send`); otherwise each layer's lists are built in its executor
 thread, as sglang does. Inputs sglang does not handle the way the builder
@@ -22,6 +24,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import inspect
+import itertools
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -351,12 +354,23 @@ def _send_layers(
     block: np.ndarray,
     executor: concurrent.futures.Executor,
 ) -> int:
-    """One engine call per layer from `executor`, awaited by sglang's `_await_transfer_futures`.
+    """One engine call per layer from `executor`, in layer order; sglang's status and await.
 
-    A layer without descriptors returns 0 without a call, as in sglang. The
-    block goes back to ADDRESS_BLOCKS when the last call has ended.
+    sglang submits one task per layer (160 for an 80-layer model): the submits
+    and their futures hold the GIL for about a millisecond and feed the garbage
+    collector. Here each of the executor's threads takes one task that sends
+    the next unsent layer until none is left, so the calls start in the same
+    order as sglang's, one per layer, from the executor's threads. A failing
+    call (a non-zero status or an exception) stops the others from taking
+    more, as sglang cancels its queued layers; `_await_transfer_futures` turns
+    the tasks' results into sglang's status (and drains the running ones where
+    sglang does). A layer without descriptors returns 0 without a call, as in
+    sglang. The block goes back to ADDRESS_BLOCKS when the last call has ended.
     """
     path, send = engine_send(manager.engine)
+    num_layers = descriptors.addresses.shape[1]
+    next_layer = itertools.count()  # next() is atomic: each layer is taken once
+    failed = threading.Event()
 
     def send_layer(layer: int) -> int:
         if descriptors.num_tokens == 0:
@@ -366,21 +380,51 @@ def _send_layers(
             return send(session, srcs.tolist(), dsts.tolist(), [int(lens[0])] * lens.size)
         return send(session, srcs, dsts, lens)
 
-    futures = [
-        executor.submit(send_layer, layer) for layer in range(descriptors.addresses.shape[1])
-    ]
-    running = [len(futures)]
+    def send_next_layers() -> int:
+        while not failed.is_set():
+            layer = next(next_layer)
+            if layer >= num_layers:
+                return 0
+            try:
+                status = send_layer(layer)
+            except BaseException:
+                failed.set()
+                raise
+            if status != 0:
+                failed.set()
+                return status
+        return 0
+
+    # ThreadPoolExecutor's worker count; another executor gets one task per layer.
+    tasks = min(num_layers, getattr(executor, "_max_workers", num_layers))
+    futures: list[concurrent.futures.Future] = []
+    try:
+        for _ in range(tasks):
+            futures.append(executor.submit(send_next_layers))
+        return manager._await_transfer_futures(futures)
+    finally:
+        _give_back_when_ended(block, futures)
+
+
+def _give_back_when_ended(block: np.ndarray, futures: list[concurrent.futures.Future]) -> None:
+    """Give `block` back to ADDRESS_BLOCKS once every one of `futures` has ended.
+
+    Called after the send's await: only tasks still running (sglang returns
+    at the first failure) get a done callback.
+    """
+    running = [future for future in futures if not future.done()]
+    if not running:
+        ADDRESS_BLOCKS.give_back(block)
+        return
+    count = [len(running)]
     lock = threading.Lock()
 
     def ended(_: concurrent.futures.Future) -> None:
         with lock:
-            running[0] -= 1
-            last = running[0] == 0
+            count[0] -= 1
+            last = count[0] == 0
         if last:
             ADDRESS_BLOCKS.give_back(block)
 
-    if not futures:
-        ADDRESS_BLOCKS.give_back(block)
-    for future in futures:
+    for future in running:
         future.add_done_callback(ended)
-    return manager._await_transfer_futures(futures)
