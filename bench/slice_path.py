@@ -35,7 +35,7 @@ EXECUTOR_THREADS = 3
 
 
 class RefusalAsSuccess:
-    """A raw Mooncake engine whose refused calls report 0, so that every layer is sent."""
+    """A raw Mooncake engine (list API) whose refused calls report 0, so every layer is sent."""
 
     def __init__(self, engine) -> None:
         self.engine = engine
@@ -44,9 +44,20 @@ class RefusalAsSuccess:
         self.engine.batch_transfer_sync_write(*args)
         return 0
 
+
+class ArraysRefusalAsSuccess(RefusalAsSuccess):
+    """`RefusalAsSuccess` for an engine with the arrays API too (Mooncake 0.3.14)."""
+
     def batch_transfer_sync_write_arrays(self, *args) -> int:
         self.engine.batch_transfer_sync_write_arrays(*args)
         return 0
+
+
+def refusal_as_success(engine) -> RefusalAsSuccess:
+    """The proxy with the write methods `engine` has: the hook picks its hand-off by them."""
+    if hasattr(type(engine), "batch_transfer_sync_write_arrays"):
+        return ArraysRefusalAsSuccess(engine)
+    return RefusalAsSuccess(engine)
 
 
 class SlicePathBench:
@@ -66,7 +77,7 @@ class SlicePathBench:
         from gpu_planner.integration.sglang.testing import make_manager
 
         wrapper = MooncakeTransferEngine("127.0.0.1")
-        wrapper.engine = RefusalAsSuccess(wrapper.engine)
+        wrapper.engine = refusal_as_success(wrapper.engine)
         self.handoff = send.engine_send(wrapper)[0]
         self._original = inspect.unwrap(MooncakeKVManager.send_kvcache_slice)
         self._hook = send_slice.send_kvcache_slice_hook
