@@ -17,9 +17,9 @@ Each send is timed twice: interleaved with the other (the harness's rule, the
 headline: a load change hits both alike; each call follows the other send's,
 whose memory churn it meets), and `alone`, its calls one after another (a
 process that only ever runs this send). The two differ where a call's cost is
-memory that must be faulted in: at page size 1 the engine's binding builds a
-72-byte request per descriptor in fresh memory, which after sglang's send
-(whose freed objects glibc keeps) is already mapped.
+memory that must be faulted in: at page size 1 the engine's binding copies the
+three columns (24 bytes per descriptor) into fresh memory, which after sglang's
+send (whose freed objects glibc keeps) is already mapped.
 """
 
 from __future__ import annotations
