@@ -11,11 +11,15 @@ sglang's `MooncakeTransferEngine.batch_transfer_sync` hands Mooncake Python
 lists and turns an exception into -1. When the Mooncake engine inside it takes
 descriptor arrays (0.3.14+, see `mooncake.handoff`), the hook calls
 `batch_transfer_sync_write_arrays` on it directly with views of the plan's
-columns, with the same session and the same exception-to--1 rule.
+columns, with the same session and the same exception-to--1 rule. With a
+custom memory pool sglang makes one call per buffer from its executor; the hook
+makes the same calls in the same order from the executor's threads
+(`layer_calls`).
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import functools
 import inspect
@@ -32,6 +36,7 @@ import gpu_planner as gp
 from gpu_planner.integration.mooncake import handoff
 from gpu_planner.integration.sglang.entries import Entry, SendCall, transfer_entries
 from gpu_planner.integration.sglang.fallback import log_fallback_once
+from gpu_planner.integration.sglang.layer_calls import submit_in_order
 
 logger = logging.getLogger(__name__)
 
@@ -64,10 +69,14 @@ def send_kvcache_generic_hook(
     path, send = engine_send(manager.engine)
     session = call.mooncake_session_id
     if _uses_per_layer_futures(manager):
-        futures = [
-            call.executor.submit(send, session, piece.srcs, piece.dsts, piece.lens)
-            for piece in handoff.buffer_batches(plan, path)
-        ]
+        pieces = list(handoff.buffer_batches(plan, path))
+
+        def send_piece(index: int) -> int:
+            piece = pieces[index]
+            return send(session, piece.srcs, piece.dsts, piece.lens)
+
+        futures: list[concurrent.futures.Future] = []
+        submit_in_order(call.executor, len(pieces), send_piece, futures)
         return manager._await_transfer_futures(futures)
     for srcs, dsts, lens in handoff.batches(plan, path):
         status = send(session, srcs, dsts, lens)

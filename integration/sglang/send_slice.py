@@ -11,7 +11,7 @@ compiled pass without the GIL (`gpu_planner.head_slices`), then make one
 engine call per layer from the executor's threads, in sglang's order, awaited
 by the manager's own `_await_transfer_futures` (one task per executor thread
 that takes the layers in turn, rather than one submitted task per layer:
-`_send_layers`). Through sglang's wrapper around a
+`layer_calls`). Through sglang's wrapper around a
 Mooncake 0.3.14 engine the calls take the descriptor arrays directly
 (`send.engine_send`); otherwise each layer's lists are built in its executor
 thread, as sglang does. Inputs sglang does not handle the way the builder
@@ -25,7 +25,6 @@ import concurrent.futures
 import dataclasses
 import functools
 import inspect
-import itertools
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -41,6 +40,7 @@ from gpu_planner.errors import PlanValidationError
 from gpu_planner.head_slices import HeadSliceDescriptors, HeadSliceLayout, head_slice_descriptors
 from gpu_planner.integration.mooncake import handoff
 from gpu_planner.integration.sglang.fallback import log_fallback_once
+from gpu_planner.integration.sglang.layer_calls import submit_in_order
 from gpu_planner.integration.sglang.send import engine_send
 
 _EMPTY = inspect.Parameter.empty
@@ -380,23 +380,12 @@ def _send_layers(
     block: np.ndarray,
     executor: concurrent.futures.Executor,
 ) -> int:
-    """One engine call per layer from `executor`, in layer order; sglang's status and await.
+    """One engine call per layer from `executor`, in layer order (`layer_calls`); sglang's status.
 
-    sglang submits one task per layer (160 for an 80-layer model): the submits
-    and their futures hold the GIL for about a millisecond and feed the garbage
-    collector. Here each of the executor's threads takes one task that sends
-    the next unsent layer until none is left, so the calls start in the same
-    order as sglang's, one per layer, from the executor's threads. A failing
-    call (a non-zero status or an exception) stops the others from taking
-    more, as sglang cancels its queued layers; `_await_transfer_futures` turns
-    the tasks' results into sglang's status (and drains the running ones where
-    sglang does). A layer without descriptors returns 0 without a call, as in
-    sglang. The block goes back to ADDRESS_BLOCKS when the last call has ended.
+    A layer without descriptors returns 0 without a call, as in sglang. The
+    block goes back to ADDRESS_BLOCKS when the last call has ended.
     """
     path, send = engine_send(manager.engine)
-    num_layers = descriptors.addresses.shape[1]
-    next_layer = itertools.count()  # next() is atomic: each layer is taken once
-    failed = threading.Event()
 
     def send_layer(layer: int) -> int:
         if descriptors.num_tokens == 0:
@@ -406,27 +395,9 @@ def _send_layers(
             return send(session, srcs.tolist(), dsts.tolist(), [int(lens[0])] * lens.size)
         return send(session, srcs, dsts, lens)
 
-    def send_next_layers() -> int:
-        while not failed.is_set():
-            layer = next(next_layer)
-            if layer >= num_layers:
-                return 0
-            try:
-                status = send_layer(layer)
-            except BaseException:
-                failed.set()
-                raise
-            if status != 0:
-                failed.set()
-                return status
-        return 0
-
-    # ThreadPoolExecutor's worker count; another executor gets one task per layer.
-    tasks = min(num_layers, getattr(executor, "_max_workers", num_layers))
     futures: list[concurrent.futures.Future] = []
     try:
-        for _ in range(tasks):
-            futures.append(executor.submit(send_next_layers))
+        submit_in_order(executor, descriptors.addresses.shape[1], send_layer, futures)
         return manager._await_transfer_futures(futures)
     finally:
         _give_back_when_ended(block, futures)

@@ -27,6 +27,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 from sglang_plugin_support import conn, make_manager
+from test_layer_calls import CountingPool
 from test_send_handoff import ArraysEngine, ListEngine, sglang_wrapper
 
 from gpu_planner.integration.sglang import plugin, send_slice
@@ -399,30 +400,6 @@ def test_address_blocks_keep_the_largest_free_blocks_and_hand_out_the_smallest_f
     assert blocks.take(15).size == 15  # none left: a new one
 
 
-class CountingExecutor(concurrent.futures.ThreadPoolExecutor):
-    """A thread pool that counts the tasks submitted to it."""
-
-    def __init__(self, max_workers: int) -> None:
-        super().__init__(max_workers=max_workers)
-        self.submitted = 0
-
-    def submit(self, fn, /, *args, **kwargs) -> concurrent.futures.Future:
-        self.submitted += 1
-        return super().submit(fn, *args, **kwargs)
-
-
-class PoolWithoutWorkerCount(concurrent.futures.Executor):
-    """An executor that does not say how many threads it has (no `_max_workers`)."""
-
-    def __init__(self) -> None:
-        self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=2)
-        self.submitted = 0
-
-    def submit(self, fn, /, *args, **kwargs) -> concurrent.futures.Future:
-        self.submitted += 1
-        return self.pool.submit(fn, *args, **kwargs)
-
-
 def many_layer_scenario(num_layers: int) -> dict:
     """TP2 -> TP4 with `num_layers` layers (K and V: 2 * num_layers engine calls)."""
     return {
@@ -451,10 +428,10 @@ def many_layer_scenario(num_layers: int) -> dict:
 
 @pytest.mark.parametrize(("num_layers", "workers"), [(10, 3), (10, 1), (1, 4)])
 def test_one_task_per_executor_thread_sends_every_layer_in_order(num_layers: int, workers: int):
-    """The hook submits min(calls, threads) tasks, not one per layer; the calls are sglang's."""
+    """The hook submits min(calls, threads) tasks (`layer_calls`); the calls are sglang's."""
     scenario = many_layer_scenario(num_layers)
     expected = run(ORIGINAL_SLICE, scenario, ArraysEngine(), ONE_THREAD)
-    executor = CountingExecutor(workers)
+    executor = CountingPool(workers)
     with executor:
         actual = run(conn.MooncakeKVManager.send_kvcache_slice, scenario, ArraysEngine(), executor)
     assert executor.submitted == min(2 * num_layers, workers)
@@ -462,24 +439,3 @@ def test_one_task_per_executor_thread_sends_every_layer_in_order(num_layers: int
     assert Counter(map(repr, actual["calls"])) == Counter(map(repr, expected["calls"]))
     if workers == 1:
         assert actual["calls"] == expected["calls"]  # one thread: sglang's order exactly
-
-
-def test_an_executor_without_a_worker_count_gets_a_task_per_layer():
-    scenario = many_layer_scenario(3)
-    expected = run(ORIGINAL_SLICE, scenario, ArraysEngine(), ONE_THREAD)
-    executor = PoolWithoutWorkerCount()
-    actual = run(conn.MooncakeKVManager.send_kvcache_slice, scenario, ArraysEngine(), executor)
-    executor.pool.shutdown()
-    assert executor.submitted == 6
-    assert Counter(map(repr, actual["calls"])) == Counter(map(repr, expected["calls"]))
-    assert actual["status"] == 0
-
-
-def test_after_a_failing_layer_no_thread_takes_another():
-    """One thread, layer 2 of 10 fails: sglang's queued layers would be cancelled; none runs."""
-    scenario = many_layer_scenario(5)
-    failing = scenario["kv_args"]["kv_data_ptrs"][2]
-    raw = ArraysEngine(fail_src_range=range(failing, failing + BUFFER_SPAN))
-    actual = run(conn.MooncakeKVManager.send_kvcache_slice, scenario, raw, ONE_THREAD)
-    assert actual["status"] == -1
-    assert len(actual["calls"]) == 3  # layers 0, 1 and the failing 2
