@@ -279,12 +279,12 @@ def check_failing_layer(kind, data, raw_type, failure_status, raises, deferred_r
         assert Counter(map(repr, actual["calls"])) == Counter(map(repr, expected["calls"]))
 
 
-def test_a_page_list_sglang_cannot_read_runs_the_original():
-    """Python lists: sglang's KV slice send fails on `.reshape`; the hook lets it."""
-    scenario = {
+def many_layer_scenario(num_layers: int) -> dict:
+    """TP2 -> TP4 with `num_layers` layers (K and V: 2 * num_layers engine calls)."""
+    return {
         "kv_args": {
-            "kv_data_ptrs": buffer_ptrs(2**40, 2),
-            "kv_item_lens": [64, 64],
+            "kv_data_ptrs": buffer_ptrs(2**40, 2 * num_layers),
+            "kv_item_lens": [64] * (2 * num_layers),
             "kv_layer_ids": [],
             "page_size": 4,
             "engine_rank": 0,
@@ -293,9 +293,9 @@ def test_a_page_list_sglang_cannot_read_runs_the_original():
         },
         "call": {
             "mooncake_session_id": SESSION,
-            "prefill_kv_indices": [1, 2],
-            "dst_kv_ptrs": buffer_ptrs(2**46, 2),
-            "dst_kv_indices": [3, 4],
+            "prefill_kv_indices": np.array([5, 2, 9]),
+            "dst_kv_ptrs": buffer_ptrs(2**46, 2 * num_layers),
+            "dst_kv_indices": np.array([1, 7, 3]),
             "dst_tp_rank": 1,
             "dst_attn_tp_size": 4,
             "dst_kv_item_len": 32,
@@ -303,6 +303,13 @@ def test_a_page_list_sglang_cannot_read_runs_the_original():
         "manager": {},
         "tp": 2,
     }
+
+
+def test_a_page_list_sglang_cannot_read_runs_the_original():
+    """Python lists: sglang's KV slice send fails on `.reshape`; the hook lets it."""
+    scenario = many_layer_scenario(1)
+    scenario["call"]["prefill_kv_indices"] = [1, 2]
+    scenario["call"]["dst_kv_indices"] = [3, 4]
     expected = run(ORIGINAL_SLICE, scenario, ArraysEngine(), ONE_THREAD)
     assert expected["error"][0] is AttributeError
     hooked = conn.MooncakeKVManager.send_kvcache_slice
@@ -398,32 +405,6 @@ def test_address_blocks_keep_the_largest_free_blocks_and_hand_out_the_smallest_f
     assert blocks.take(15) is given[2]
     assert blocks.take(15) is given[0]
     assert blocks.take(15).size == 15  # none left: a new one
-
-
-def many_layer_scenario(num_layers: int) -> dict:
-    """TP2 -> TP4 with `num_layers` layers (K and V: 2 * num_layers engine calls)."""
-    return {
-        "kv_args": {
-            "kv_data_ptrs": buffer_ptrs(2**40, 2 * num_layers),
-            "kv_item_lens": [64] * (2 * num_layers),
-            "kv_layer_ids": [],
-            "page_size": 4,
-            "engine_rank": 0,
-            "kv_head_num": 2,
-            "total_kv_head_num": 4,
-        },
-        "call": {
-            "mooncake_session_id": SESSION,
-            "prefill_kv_indices": np.array([5, 2, 9]),
-            "dst_kv_ptrs": buffer_ptrs(2**46, 2 * num_layers),
-            "dst_kv_indices": np.array([1, 7, 3]),
-            "dst_tp_rank": 1,
-            "dst_attn_tp_size": 4,
-            "dst_kv_item_len": 32,
-        },
-        "manager": {},
-        "tp": 2,
-    }
 
 
 @pytest.mark.parametrize(("num_layers", "workers"), [(10, 3), (10, 1), (1, 4)])
