@@ -51,9 +51,18 @@ _clock_gettime.restype = ctypes.c_int
 _nanosleep = _LIBC.nanosleep
 _nanosleep.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
 _nanosleep.restype = ctypes.c_int
-_memcpy = _LIBC.memcpy  # (destination, source address as an integer, bytes)
-_memcpy.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_size_t]
-_memcpy.restype = ctypes.c_void_p
+# Reads another thread's PyThreadState, which that thread may free at any time:
+# process_vm_readv on this process fails (EFAULT) where memcpy would crash.
+_process_vm_readv = _LIBC.process_vm_readv  # (pid, local iovec, 1, remote iovec, 1, 0)
+_process_vm_readv.argtypes = [
+    ctypes.c_int,
+    ctypes.c_void_p,
+    ctypes.c_ulong,
+    ctypes.c_void_p,
+    ctypes.c_ulong,
+    ctypes.c_ulong,
+]
+_process_vm_readv.restype = ctypes.c_ssize_t
 _prctl = _LIBC.prctl
 _prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
 _prctl.restype = ctypes.c_int
@@ -72,16 +81,25 @@ def _clock_ns(clock: int, timespec: np.ndarray) -> int:
     return timespec[0] * 1_000_000_000 + timespec[1]
 
 
+_NO_CLOCK = 0  # CLOCK_REALTIME: never a thread's CPU clock (those ids are negative)
+
+
 @numba.njit(nogil=True)
-def _holder_cpu_clock(thread_state: int, native_id_offset: int, word: np.ndarray) -> int:
-    """The CPU clock of the thread whose PyThreadState is at `thread_state` (Linux clockid)."""
-    _memcpy(word.ctypes.data, np.uint64(thread_state + native_id_offset), 8)
-    return np.int32(((~word[0]) << 3) | 6)  # CPUCLOCK_SCHED of that thread (per-thread flag)
+def _holder_cpu_clock(pid: int, native_id_address: int, native_id: np.ndarray) -> int:
+    """The CPU clock (a Linux clockid) of the thread whose native id is at `native_id_address`.
+
+    _NO_CLOCK where that thread state cannot be read (it was freed).
+    """
+    local = np.array([native_id.ctypes.data, 8], dtype=np.int64)  # struct iovec
+    remote = np.array([native_id_address, 8], dtype=np.int64)
+    if _process_vm_readv(pid, local.ctypes.data, 1, remote.ctypes.data, 1, 0) != 8:
+        return _NO_CLOCK
+    return np.int32(((~native_id[0]) << 3) | 6)  # CPUCLOCK_SCHED of that thread, per-thread
 
 
 @numba.njit(nogil=True)
 def _sample_holds(
-    gil: np.ndarray, native_id_offset: int, request: np.ndarray, control: np.ndarray
+    gil: np.ndarray, native_id_offset: int, pid: int, request: np.ndarray, control: np.ndarray
 ) -> None:
     """Sample `gil` every `request` until control[_STOP]; keep the window's longest hold.
 
@@ -90,7 +108,7 @@ def _sample_holds(
     """
     _prctl(_PR_SET_TIMERSLACK, 1, 0, 0, 0)  # this thread's sleeps end on time (1 ns slack)
     timespec = np.zeros(2, dtype=np.int64)
-    word = np.zeros(1, dtype=np.int64)
+    native_id = np.zeros(1, dtype=np.int64)
     held_number = -1  # the switch number of the hold seen in the previous sample
     held_since = holder_clock = ran_since = ran_base = 0
     last_sample = _clock_ns(_CLOCK_MONOTONIC, timespec)
@@ -109,14 +127,15 @@ def _sample_holds(
             continue
         if number != held_number:
             held_number, held_since = number, now
-            holder_clock = _holder_cpu_clock(np.int64(gil[_LAST_HOLDER]), native_id_offset, word)
+            holder = np.int64(gil[_LAST_HOLDER])
+            holder_clock = _holder_cpu_clock(pid, holder + native_id_offset, native_id)
             ran_since = -1  # no running-time base yet
-        ran = _clock_ns(holder_clock, timespec)
-        if ran < 0:
+        control[_LONGEST_HOLD] = max(control[_LONGEST_HOLD], now - max(held_since, window_start))
+        ran = _clock_ns(holder_clock, timespec) if holder_clock != _NO_CLOCK else -1
+        if ran < 0:  # the holder's clock cannot be read (the thread has ended)
             continue
         if ran_since < window_start:  # the first base inside the window
             ran_since, ran_base = now, ran
-        control[_LONGEST_HOLD] = max(control[_LONGEST_HOLD], now - max(held_since, window_start))
         control[_LONGEST_RUNNING] = max(control[_LONGEST_RUNNING], ran - ran_base)
 
 
@@ -226,7 +245,7 @@ class GilMonitor:
         self._woke = np.zeros(2, dtype=np.int64)  # struct timespec: seconds, nanoseconds
         _sleep_then_stamp(self._wait_request, self._woke)  # compile both before any window
         stopped = np.array([1, 0, 0, 0, 0], dtype=np.int64)
-        _sample_holds(self._gil, self._native_id_offset, self._sample_request, stopped)
+        _sample_holds(self._gil, self._native_id_offset, 0, self._sample_request, stopped)
         self._window_start = time.perf_counter()
         self._longest_wait = 0.0
         self._stop = threading.Event()
@@ -256,7 +275,9 @@ class GilMonitor:
 
     def _sample_holds(self) -> None:
         _ask_realtime(self._realtime)
-        _sample_holds(self._gil, self._native_id_offset, self._sample_request, self._control)
+        _sample_holds(
+            self._gil, self._native_id_offset, os.getpid(), self._sample_request, self._control
+        )
 
     def _probe_waits(self) -> None:
         _ask_realtime(self._realtime)
