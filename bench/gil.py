@@ -160,13 +160,18 @@ def _ask_realtime(granted: list[bool]) -> None:
         granted.append(True)
 
 
-def _native_id_offset() -> int:
-    """Byte offset of `native_thread_id` in PyThreadState, found in two threads' states."""
+def _this_thread_state() -> int:
+    """The address of the calling thread's PyThreadState."""
     get_thread_state = ctypes.pythonapi.PyThreadState_Get
     get_thread_state.restype = ctypes.c_void_p
+    return get_thread_state()
+
+
+def _native_id_offset() -> int:
+    """Byte offset of `native_thread_id` in PyThreadState, found in two threads' states."""
 
     def offsets(found: list[set[int]]) -> None:
-        words = np.ctypeslib.as_array((ctypes.c_uint64 * 64).from_address(get_thread_state()))
+        words = np.ctypeslib.as_array((ctypes.c_uint64 * 64).from_address(_this_thread_state()))
         found.append(set(np.flatnonzero(words == threading.get_native_id()).tolist()))
 
     found: list[set[int]] = []
@@ -192,9 +197,7 @@ def _gil_state() -> np.ndarray:
     """
     runtime = ctypes.addressof(ctypes.c_char.in_dll(ctypes.pythonapi, "_PyRuntime"))
     words = np.ctypeslib.as_array((ctypes.c_uint64 * 512).from_address(runtime))
-    get_thread_state = ctypes.pythonapi.PyThreadState_Get
-    get_thread_state.restype = ctypes.c_void_p
-    this_thread = get_thread_state()
+    this_thread = _this_thread_state()
     interval = sys.getswitchinterval()
     interval_us = round(interval * 1e6)
     for offset in range(words.size - 3):

@@ -6,7 +6,6 @@ monitor's 0.1 ms sampling: the checks leave a factor of two for a busy machine.
 
 from __future__ import annotations
 
-import ctypes
 import os
 import sys
 import threading
@@ -15,7 +14,13 @@ import time
 import numpy as np
 import pytest
 
-from bench.gil import _NO_CLOCK, GilMonitor, _holder_cpu_clock, _native_id_offset
+from bench.gil import (
+    _NO_CLOCK,
+    GilMonitor,
+    _holder_cpu_clock,
+    _native_id_offset,
+    _this_thread_state,
+)
 
 
 def hold_the_gil(seconds: float) -> None:
@@ -82,9 +87,7 @@ def test_a_holder_whose_state_is_gone_has_no_clock():
     """Reading a freed thread state fails cleanly (process_vm_readv), never crashes."""
     native_id = np.zeros(1, dtype=np.int64)
     assert _holder_cpu_clock(os.getpid(), 8, native_id) == _NO_CLOCK  # unmapped page 0
-    get_thread_state = ctypes.pythonapi.PyThreadState_Get
-    get_thread_state.restype = ctypes.c_void_p
-    address = get_thread_state() + _native_id_offset()
+    address = _this_thread_state() + _native_id_offset()
     clock = _holder_cpu_clock(os.getpid(), address, native_id)
     assert native_id[0] == threading.get_native_id()
     assert time.clock_gettime(clock) > 0  # this thread's CPU time
