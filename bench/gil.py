@@ -70,7 +70,7 @@ _prctl.restype = ctypes.c_int
 # The first words of CPython's `struct _gil_runtime_state`, as uint64.
 _INTERVAL, _LAST_HOLDER, _LOCKED, _SWITCH_NUMBER = range(4)
 # The sampler's control words (int64, shared with Python).
-_STOP, _WINDOW_START, _LONGEST_HOLD, _LONGEST_RUNNING, _LONGEST_GAP = range(5)
+_STOP, _WINDOW_START, _LONGEST_HOLD, _LONGEST_RUNNING, _LONGEST_GAP, _HOLDER = range(6)
 
 
 @numba.njit(nogil=True)
@@ -103,6 +103,8 @@ def _sample_holds(
 ) -> None:
     """Sample `gil` every `request` until control[_STOP]; keep the window's longest hold.
 
+    control[_HOLDER] gets the native thread id of that hold's holder (0: unknown).
+
     A hold counts from the window start at the earliest (control[_WINDOW_START]);
     its running time from the first sample after both.
     """
@@ -110,7 +112,7 @@ def _sample_holds(
     timespec = np.zeros(2, dtype=np.int64)
     native_id = np.zeros(1, dtype=np.int64)
     held_number = -1  # the switch number of the hold seen in the previous sample
-    held_since = holder_clock = ran_since = ran_base = 0
+    held_since = holder_clock = holder_id = ran_since = ran_base = 0
     last_sample = _clock_ns(_CLOCK_MONOTONIC, timespec)
     while control[_STOP] == 0:
         _nanosleep(request.ctypes.data, 0)
@@ -129,8 +131,11 @@ def _sample_holds(
             held_number, held_since = number, now
             holder = np.int64(gil[_LAST_HOLDER])
             holder_clock = _holder_cpu_clock(pid, holder + native_id_offset, native_id)
+            holder_id = native_id[0] if holder_clock != _NO_CLOCK else 0
             ran_since = -1  # no running-time base yet
-        control[_LONGEST_HOLD] = max(control[_LONGEST_HOLD], now - max(held_since, window_start))
+        hold = now - max(held_since, window_start)
+        if hold > control[_LONGEST_HOLD]:
+            control[_LONGEST_HOLD], control[_HOLDER] = hold, holder_id
         ran = _clock_ns(holder_clock, timespec) if holder_clock != _NO_CLOCK else -1
         if ran < 0:  # the holder's clock cannot be read (the thread has ended)
             continue
@@ -217,6 +222,14 @@ def _gil_state() -> np.ndarray:
     )
 
 
+def _thread_name(native_id: int) -> str:
+    """The name of the live thread with `native_id`; "" for 0, "thread <id>" if it has ended."""
+    if native_id == 0:
+        return ""
+    names = {thread.native_id: thread.name for thread in threading.enumerate()}
+    return names.get(native_id, f"thread {native_id}")
+
+
 @dataclasses.dataclass(frozen=True)
 class GilWindow:
     """One timed call: its wall time and what the GIL monitor saw while it ran (seconds)."""
@@ -226,6 +239,7 @@ class GilWindow:
     running: float  # the longest time a holder ran during one hold (its CPU clock)
     wait: float  # the longest wait of a ready thread for the GIL
     sample_gap: float  # the sampler's longest gap between samples: the hold's precision
+    holder: str  # the name of the thread that held the longest hold ("" where none was seen)
 
 
 class GilMonitor:
@@ -242,12 +256,12 @@ class GilMonitor:
             raise RuntimeError(f"GilMonitor stamps CLOCK_MONOTONIC; perf_counter uses {clock}")
         self._gil = _gil_state()
         self._native_id_offset = _native_id_offset()
-        self._control = np.zeros(5, dtype=np.int64)
+        self._control = np.zeros(6, dtype=np.int64)
         self._sample_request = np.array([0, round(self.SAMPLE_S * 1e9)], dtype=np.int64)
         self._wait_request = np.array([0, round(self.WAIT_PROBE_S * 1e9)], dtype=np.int64)
         self._woke = np.zeros(2, dtype=np.int64)  # struct timespec: seconds, nanoseconds
         _sleep_then_stamp(self._wait_request, self._woke)  # compile both before any window
-        stopped = np.array([1, 0, 0, 0, 0], dtype=np.int64)
+        stopped = np.array([1, 0, 0, 0, 0, 0], dtype=np.int64)
         _sample_holds(self._gil, self._native_id_offset, 0, self._sample_request, stopped)
         self._window_start = time.perf_counter()
         self._longest_wait = 0.0
@@ -296,6 +310,7 @@ class GilMonitor:
         """Call `fn` and report what the monitor saw while it ran."""
         control = self._control
         control[_LONGEST_HOLD] = control[_LONGEST_RUNNING] = control[_LONGEST_GAP] = 0
+        control[_HOLDER] = 0
         self._longest_wait = 0.0
         self._window_start = start = time.perf_counter()
         control[_WINDOW_START] = round(start * 1e9)
@@ -308,4 +323,5 @@ class GilMonitor:
             running=control[_LONGEST_RUNNING] * 1e-9,
             wait=self._longest_wait,
             sample_gap=control[_LONGEST_GAP] * 1e-9,
+            holder=_thread_name(int(control[_HOLDER])),
         )

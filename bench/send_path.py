@@ -155,6 +155,7 @@ def gil_figures(windows: list[GilWindow], realtime: bool) -> dict[str, Any]:
     """Per call's longest GIL hold (wall clock, and the holder's running time) and longest
     GIL wait: median over calls and maximum.
 
+    `gil_hold_holder` names the thread of the longest hold over all calls;
     `gil_sample_gap` is the sampler's longest gap between samples over all
     calls (holds are exact to about two gaps); `gil_realtime` whether the
     monitor's threads ran with real-time scheduling.
@@ -165,6 +166,7 @@ def gil_figures(windows: list[GilWindow], realtime: bool) -> dict[str, Any]:
 
     return {
         "gil_hold": over_calls([window.hold for window in windows]),
+        "gil_hold_holder": max(windows, key=lambda window: window.hold).holder,
         "gil_hold_running": over_calls([window.running for window in windows]),
         "gil_wait": over_calls([window.wait for window in windows]),
         "gil_sample_gap": max(window.sample_gap for window in windows),

@@ -40,6 +40,7 @@ def monitor():
 
 def test_a_hold_in_c_code_is_seen_whole(monitor):
     window = monitor.window(lambda: hold_the_gil(0.05))
+    assert window.holder == threading.current_thread().name
     assert window.elapsed > 0.02
     assert window.hold >= 0.5 * window.elapsed
     assert window.running >= 0.5 * window.elapsed
@@ -54,12 +55,23 @@ def test_sleeping_holds_nothing(monitor):
 
 
 def test_a_ready_thread_waits_while_another_holds(monitor):
+    held, done = threading.Event(), threading.Event()
+
+    def hold_then_wait() -> None:
+        hold_the_gil(0.05)
+        held.set()
+        done.wait()  # alive until the window is read: its name can still be found
+
+    holder = threading.Thread(target=hold_then_wait, name="holder")
+
     def other_thread_holds() -> None:
-        holder = threading.Thread(target=hold_the_gil, args=(0.05,))
         holder.start()
-        holder.join()
+        held.wait()
 
     window = monitor.window(other_thread_holds)
+    done.set()
+    holder.join()
+    assert window.holder == "holder"
     assert window.wait >= 0.5 * window.elapsed
     assert window.hold >= 0.5 * window.elapsed
 
