@@ -125,7 +125,7 @@ class SendPathBench:
 def measure_sends(sends: dict[str, Callable[[], int]], policy: RepeatPolicy) -> dict[str, Any]:
     """`sends` timed interleaved, then watched by a `GilMonitor` in calls of their own.
 
-    The monitor's threads wake tens of thousands of times a second, which on a
+    The monitor's threads wake about 15,000 times a second, which on a
     small machine slows what they watch; so the times come from calls without
     it. Each send is watched in as many calls as it was timed in, `GIL_CALLS`
     at most, interleaved, with the garbage collector on as in sglang's process
