@@ -85,16 +85,25 @@ _NO_CLOCK = 0  # CLOCK_REALTIME: never a thread's CPU clock (those ids are negat
 
 
 @numba.njit(nogil=True)
-def _holder_cpu_clock(pid: int, native_id_address: int, native_id: np.ndarray) -> int:
+def _read_iovecs() -> np.ndarray:
+    """`_holder_cpu_clock`'s scratch, int64 [3, 2]: the read's local and remote `struct
+    iovec`, then the word it lands in (the local iovec already points at it)."""
+    iovecs = np.zeros((3, 2), dtype=np.int64)
+    iovecs[0, 0], iovecs[0, 1], iovecs[1, 1] = iovecs[2].ctypes.data, 8, 8
+    return iovecs
+
+
+@numba.njit(nogil=True)
+def _holder_cpu_clock(pid: int, native_id_address: int, iovecs: np.ndarray) -> int:
     """The CPU clock (a Linux clockid) of the thread whose native id is at `native_id_address`.
 
+    `iovecs` comes from `_read_iovecs`; the native id is left in iovecs[2, 0].
     _NO_CLOCK where that thread state cannot be read (it was freed).
     """
-    local = np.array([native_id.ctypes.data, 8], dtype=np.int64)  # struct iovec
-    remote = np.array([native_id_address, 8], dtype=np.int64)
-    if _process_vm_readv(pid, local.ctypes.data, 1, remote.ctypes.data, 1, 0) != 8:
+    iovecs[1, 0] = native_id_address
+    if _process_vm_readv(pid, iovecs[0].ctypes.data, 1, iovecs[1].ctypes.data, 1, 0) != 8:
         return _NO_CLOCK
-    return np.int32(((~native_id[0]) << 3) | 6)  # CPUCLOCK_SCHED of that thread, per-thread
+    return np.int32(((~iovecs[2, 0]) << 3) | 6)  # CPUCLOCK_SCHED of that thread, per-thread
 
 
 @numba.njit(nogil=True)
@@ -110,7 +119,7 @@ def _sample_holds(
     """
     _prctl(_PR_SET_TIMERSLACK, 1, 0, 0, 0)  # this thread's sleeps end on time (1 ns slack)
     timespec = np.zeros(2, dtype=np.int64)
-    native_id = np.zeros(1, dtype=np.int64)
+    iovecs = _read_iovecs()
     held_number = -1  # the switch number of the hold seen in the previous sample
     held_since = holder_clock = holder_id = ran_since = ran_base = 0
     last_sample = _clock_ns(_CLOCK_MONOTONIC, timespec)
@@ -130,8 +139,8 @@ def _sample_holds(
         if number != held_number:
             held_number, held_since = number, now
             holder = np.int64(gil[_LAST_HOLDER])
-            holder_clock = _holder_cpu_clock(pid, holder + native_id_offset, native_id)
-            holder_id = native_id[0] if holder_clock != _NO_CLOCK else 0
+            holder_clock = _holder_cpu_clock(pid, holder + native_id_offset, iovecs)
+            holder_id = iovecs[2, 0] if holder_clock != _NO_CLOCK else 0
             ran_since = -1  # no running-time base yet
         hold = now - max(held_since, window_start)
         if hold > control[_LONGEST_HOLD]:
@@ -145,14 +154,14 @@ def _sample_holds(
 
 
 @numba.njit(nogil=True)
-def _sleep_then_stamp(request: np.ndarray, woke: np.ndarray) -> None:
-    """Sleep `request` ([seconds, nanoseconds]), then write the wake-up time into `woke`.
+def _sleep_then_stamp(request: np.ndarray, timespec: np.ndarray) -> int:
+    """Sleep `request` ([seconds, nanoseconds]), then return the wake-up time in ns.
 
-    Runs without the GIL: `woke` is when the thread ran again, before it asked
-    for the GIL back.
+    Runs without the GIL: the time is when the thread ran again, before it
+    asked for the GIL back.
     """
     _nanosleep(request.ctypes.data, 0)
-    _clock_gettime(_CLOCK_MONOTONIC, woke.ctypes.data)
+    return _clock_ns(_CLOCK_MONOTONIC, timespec)
 
 
 def _ask_realtime(granted: list[bool]) -> None:
@@ -259,8 +268,8 @@ class GilMonitor:
         self._control = np.zeros(6, dtype=np.int64)
         self._sample_request = np.array([0, round(self.SAMPLE_S * 1e9)], dtype=np.int64)
         self._wait_request = np.array([0, round(self.WAIT_PROBE_S * 1e9)], dtype=np.int64)
-        self._woke = np.zeros(2, dtype=np.int64)  # struct timespec: seconds, nanoseconds
-        _sleep_then_stamp(self._wait_request, self._woke)  # compile both before any window
+        self._timespec = np.zeros(2, dtype=np.int64)  # the wait probe's struct timespec
+        _sleep_then_stamp(self._wait_request, self._timespec)  # compile both before any window
         stopped = np.array([1, 0, 0, 0, 0, 0], dtype=np.int64)
         _sample_holds(self._gil, self._native_id_offset, 0, self._sample_request, stopped)
         self._window_start = time.perf_counter()
@@ -298,11 +307,9 @@ class GilMonitor:
 
     def _probe_waits(self) -> None:
         _ask_realtime(self._realtime)
-        woke = self._woke
         while not self._stop.is_set():
-            _sleep_then_stamp(self._wait_request, woke)
-            running = time.perf_counter()
-            waited = running - max(int(woke[0]) + int(woke[1]) * 1e-9, self._window_start)
+            woke = _sleep_then_stamp(self._wait_request, self._timespec) * 1e-9
+            waited = time.perf_counter() - max(woke, self._window_start)
             if waited > self._longest_wait:
                 self._longest_wait = waited
 

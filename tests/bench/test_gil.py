@@ -11,7 +11,6 @@ import sys
 import threading
 import time
 
-import numpy as np
 import pytest
 
 from bench.gil import (
@@ -19,6 +18,7 @@ from bench.gil import (
     GilMonitor,
     _holder_cpu_clock,
     _native_id_offset,
+    _read_iovecs,
     _this_thread_state,
 )
 
@@ -97,9 +97,9 @@ def test_the_monitor_follows_the_switch_interval_it_found():
 
 def test_a_holder_whose_state_is_gone_has_no_clock():
     """Reading a freed thread state fails cleanly (process_vm_readv), never crashes."""
-    native_id = np.zeros(1, dtype=np.int64)
-    assert _holder_cpu_clock(os.getpid(), 8, native_id) == _NO_CLOCK  # unmapped page 0
+    iovecs = _read_iovecs()
+    assert _holder_cpu_clock(os.getpid(), 8, iovecs) == _NO_CLOCK  # unmapped page 0
     address = _this_thread_state() + _native_id_offset()
-    clock = _holder_cpu_clock(os.getpid(), address, native_id)
-    assert native_id[0] == threading.get_native_id()
+    clock = _holder_cpu_clock(os.getpid(), address, iovecs)
+    assert iovecs[2, 0] == threading.get_native_id()
     assert time.clock_gettime(clock) > 0  # this thread's CPU time
