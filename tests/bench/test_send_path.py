@@ -8,9 +8,9 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+from test_bench_smoke import TINY_POLICY
 
 from bench.cases import quick_cases
-from bench.harness import RepeatPolicy
 from bench.inputs import make_input
 from bench.planners import make_planners
 from bench.progress import ProgressBar
@@ -18,8 +18,6 @@ from bench.report import format_table
 from bench.run import run_case
 from bench.send_path import SendPathBench, send_path_available
 from bench.targets import evaluate_targets
-
-TINY_POLICY = RepeatPolicy(budget_s=0.0, min_repeats=1, max_repeats=1)
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,8 @@ No timing is asserted: the figures are what the benchmark reports.
 
 from __future__ import annotations
 
-from bench.harness import RepeatPolicy
+from test_bench_smoke import TINY_POLICY
+
 from bench.send_path import send_path_available
 from bench.slice_path import (
     ArraysRefusalAsSuccess,
@@ -13,8 +14,6 @@ from bench.slice_path import (
     SlicePathBench,
     refusal_as_success,
 )
-
-TINY_POLICY = RepeatPolicy(budget_s=0.0, min_repeats=1, max_repeats=1)
 
 
 def test_both_slice_sends_run_every_layer_and_are_watched():
