@@ -10,16 +10,13 @@ reader never waits for unrelated work queued on its own stream.
 from __future__ import annotations
 
 import contextlib
-import threading
 from collections.abc import Iterator, Sequence
 
 import numpy as np
 import torch
 
+from gpu_planner.cuda_runtime import cuda_runtime
 from gpu_planner.errors import PlanValidationError
-
-_side_streams: dict[torch.device, torch.cuda.Stream] = {}
-_side_streams_lock = threading.Lock()
 
 
 def torch_device_of(tensors: Sequence[torch.Tensor]) -> torch.device:
@@ -36,21 +33,20 @@ def torch_device_of(tensors: Sequence[torch.Tensor]) -> torch.device:
 @contextlib.contextmanager
 def on_torch_device(torch_device: torch.device) -> Iterator[None]:
     """Make `torch_device` current for CUDA launches and allocations; nothing on the CPU."""
-    if torch_device.type != "cuda":
+    runtime = cuda_runtime()
+    if not runtime.runs_on_device(torch_device):
         yield
         return
-    with torch.cuda.device(torch_device):
+    with runtime.device_guard(torch_device):
         yield
 
 
 def side_stream(torch_device: torch.device) -> torch.cuda.Stream:
     """This process's side stream on `torch_device` (created once), for reading finished plans."""
-    index = torch.cuda.current_device() if torch_device.index is None else torch_device.index
-    torch_device = torch.device("cuda", index)
-    with _side_streams_lock:
-        if torch_device not in _side_streams:
-            _side_streams[torch_device] = torch.cuda.Stream(device=torch_device)
-        return _side_streams[torch_device]
+    runtime = cuda_runtime()
+    if torch_device.type == "cuda" and torch_device.index is None:
+        torch_device = torch.device("cuda", runtime.current_device())
+    return runtime.side_stream(torch_device)
 
 
 def copy_tables_to_device(

@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from gpu_planner import cpu_backend
+from gpu_planner.cuda_runtime import cuda_runtime
 from gpu_planner.cuda_streams import on_torch_device, side_stream
 from gpu_planner.errors import PlanValidationError
 from gpu_planner.inputs import (
@@ -335,7 +336,7 @@ def plan_transfer(
     with nvtx_range("plan_transfer/kernels"):
         launched = _launch(layout, pages, request.batch_pages, request.torch_device)
         plan = TransferPlan.from_launched(layout, request.num_batches, launched)
-    if request.torch_device.type != "cuda":
+    if not cuda_runtime().runs_on_device(request.torch_device):
         plan.materialize()
     return plan
 
@@ -351,11 +352,12 @@ def _launch(
             f"layout: {layout.num_buffers} buffers; the Triton backend plans at most "
             f"{MAX_GRID_Y} (one grid row each), use backend='cpu'"
         )
+    runtime = cuda_runtime()
     with on_torch_device(torch_device):
         runs = launch_runs(pages, batch_pages)
         done = None
-        if torch_device.type == "cuda" and not torch.cuda.is_current_stream_capturing():
-            done = torch.cuda.Event()
+        if runtime.runs_on_device(torch_device) and not runtime.is_capturing():
+            done = runtime.new_event()
             done.record()
     return LaunchedRuns(runs, torch_device, done)
 
@@ -367,13 +369,14 @@ def _reading_stream(launched: LaunchedRuns) -> Iterator[torch.cuda.Stream | None
     With no `done` event (a plan captured in a CUDA graph and replayed), the
     side stream waits for the reader's current stream, where the replay ran.
     """
-    if launched.torch_device.type != "cuda":
+    runtime = cuda_runtime()
+    if not runtime.runs_on_device(launched.torch_device):
         yield None
         return
     stream = side_stream(launched.torch_device)
     if launched.done is None:
-        stream.wait_stream(torch.cuda.current_stream(launched.torch_device))
+        stream.wait_stream(runtime.current_stream(launched.torch_device))
     else:
         stream.wait_event(launched.done)
-    with torch.cuda.stream(stream):
+    with runtime.stream_guard(stream):
         yield stream

@@ -1,10 +1,12 @@
 """Reusable pinned host buffers for the planner's device-to-host copies.
 
-Each copy lands in a page-locked block taken from a pool. The returned tensors
-alias the block through a NumPy array; the block goes back to the pool only
-when that array, and so every tensor viewing it, has been freed, and is reused
-only once its copy's event has completed. A block is therefore never
-overwritten while anything still reads it.
+Each copy lands in a page-locked block taken from a pool and is handed out as
+a loan: the returned tensors view a NumPy array whose base is a fresh `_Loan`
+object, so every tensor, `.numpy()` array, slice and view made from them keeps
+that loan alive (NumPy and torch both hold their base). The block goes back to
+the pool only when the last of them is freed, and is reused only once its
+copy's event has completed. A block is therefore never overwritten while
+anything handed out from it is alive, whoever holds it and in whatever form.
 
 The give-back runs in a `weakref.finalize` callback, so at any point of any
 thread, including inside a garbage collection while the pool's lock is held:
@@ -13,6 +15,9 @@ it only appends to a deque (atomic, no lock, no wait). The lock-holding
 beyond it the least recently used are unpinned and released first (by the
 next `take`, outside the lock, under the device they were pinned on), so a
 few huge plans do not keep their blocks pinned for ever.
+
+Every CUDA call goes through `cuda_runtime()`, so the CPU suite runs this
+module's logic through a host stand-in.
 """
 
 from __future__ import annotations
@@ -27,12 +32,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from gpu_planner.cuda_streams import torch_device_of
+from gpu_planner.cuda_runtime import cuda_runtime
+from gpu_planner.cuda_streams import on_torch_device, torch_device_of
 
 ALIGN_BYTES = 16  # each tensor of a multi-tensor copy starts at this alignment
 MIN_BLOCK_BYTES = 4096
 DEFAULT_MAX_RETAINED_BYTES = 64 << 20
-_PORTABLE = 1  # cudaHostRegisterPortable: pinned for every device, as the pool serves them all
 
 
 @dataclass(eq=False)
@@ -55,17 +60,36 @@ def allocate_pinned_block(nbytes: int) -> Block:
     unpinned, instead of staying pinned in torch's cache. Call it with the
     copy's device current, so no other device gets a CUDA context.
     """
+    runtime = cuda_runtime()
     array = np.frombuffer(mmap.mmap(-1, nbytes), dtype=np.uint8)
-    error = int(torch.cuda.cudart().cudaHostRegister(array.ctypes.data, nbytes, _PORTABLE))
+    error = runtime.host_register(array.ctypes.data, nbytes)
     if error != 0:
         raise RuntimeError(f"cudaHostRegister of {nbytes} bytes failed (error {error})")
-    return Block(array, torch.from_numpy(array), torch.cuda.current_device())
+    return Block(array, torch.from_numpy(array), runtime.current_device())
 
 
 def release_pinned_block(block: Block) -> None:
     """Unpin a block of `allocate_pinned_block`; its memory goes with its last reference."""
-    with torch.cuda.device(block.cuda_device):
-        torch.cuda.cudart().cudaHostUnregister(block.array.ctypes.data)
+    runtime = cuda_runtime()
+    with runtime.device_guard(torch.device("cuda", block.cuda_device)):
+        runtime.host_unregister(block.array.ctypes.data)
+
+
+class _Loan:
+    """One loan of a block: NumPy arrays made from it have it as their base.
+
+    Its death (that of the last array, view, tensor or `.numpy()` made from
+    it) gives the block back. It holds the block, so the memory outlives it.
+    """
+
+    def __init__(self, block: Block) -> None:
+        self.block = block
+        self.__array_interface__ = {
+            "data": (block.array.ctypes.data, False),
+            "shape": (block.nbytes,),
+            "typestr": "|u1",
+            "version": 3,
+        }
 
 
 def _block_bytes(nbytes: int) -> int:
@@ -111,35 +135,43 @@ class PinnedStaging:
         """Start exact copies of CUDA tensors into one pinned block and return without waiting.
 
         The copies and their event run on `stream` (default: the current stream
-        of the sources' device). Read the host tensors once the event has completed.
+        of the sources' device). Read the host tensors once the event has
+        completed; they keep the block lent for as long as anything views them.
         """
-        torch_device = torch_device_of(sources)
+        runtime = cuda_runtime()
         sizes = [source.numel() * source.element_size() for source in sources]
         offsets = [0]
         for nbytes in sizes:
             offsets.append(offsets[-1] + -(-nbytes // ALIGN_BYTES) * ALIGN_BYTES)
-        hosts = []
-        with torch.cuda.device(torch_device):
+        pieces = []  # (offset, nbytes, NumPy dtype, shape) of each host copy
+        with on_torch_device(torch_device_of(sources)):
             block = self.take(offsets[-1])
-            block_array = block.array[:]  # this copy's view: its death returns the block
-            stream = torch.cuda.current_stream() if stream is None else stream
-            with torch.cuda.stream(stream):
-                for source, offset, nbytes in zip(sources, offsets[:-1], sizes, strict=True):
-                    target = block.tensor[offset : offset + nbytes].view(source.dtype)
-                    target.view(source.shape).copy_(source.contiguous(), non_blocking=True)
-                    host_dtype = target.numpy().dtype
-                    host = block_array[offset : offset + nbytes].view(host_dtype)
-                    hosts.append(torch.from_numpy(host.reshape(source.shape)))
-                copied = torch.cuda.Event()
-                copied.record(stream)
-        self.give_back_when_freed(block_array, block, copied)
+            stream = runtime.current_stream() if stream is None else stream
+            try:
+                with runtime.stream_guard(stream):
+                    for source, offset, nbytes in zip(sources, offsets[:-1], sizes, strict=True):
+                        target = block.tensor[offset : offset + nbytes].view(source.dtype)
+                        runtime.copy_async(target.view(source.shape), source.contiguous())
+                        pieces.append((offset, nbytes, target.numpy().dtype, source.shape))
+                    copied = runtime.new_event()
+                    copied.record(stream)
+            except BaseException:
+                stream.synchronize()  # nothing may still write into the block
+                self._returned.append((block, None))
+                raise
+        loan = self.lend(block, copied)
+        hosts = [
+            torch.from_numpy(loan[offset : offset + nbytes].view(dtype).reshape(shape))
+            for offset, nbytes, dtype, shape in pieces
+        ]
         return hosts, copied
 
-    def give_back_when_freed(
-        self, view: np.ndarray, block: Block, ready: torch.cuda.Event | None
-    ) -> None:
-        """Return `block` to the pool once `view` is freed, for reuse after `ready` completes."""
-        weakref.finalize(view, self._returned.append, (block, ready))
+    def lend(self, block: Block, ready: torch.cuda.Event | None) -> np.ndarray:
+        """`block` as a uint8 array that keeps it lent; reusable once all views of it are freed
+        and `ready` (the event of the last write into it; None: none pending) has completed."""
+        loan = _Loan(block)
+        weakref.finalize(loan, self._returned.append, (block, ready))
+        return np.asarray(loan)
 
     def take(self, nbytes: int) -> Block:
         """The smallest free block of at least `nbytes` whose last copy is done, or a new one."""
@@ -198,6 +230,6 @@ def copy_to_host_async(
     (default: the current stream of the sources' device); on CPU the sources
     are returned as they are.
     """
-    if torch_device_of(sources).type != "cuda":
+    if not cuda_runtime().runs_on_device(torch_device_of(sources)):
         return list(sources), None
     return _staging.copy_to_host_async(sources, stream)

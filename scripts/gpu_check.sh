@@ -58,6 +58,8 @@ print(f'{launches} launches, {time.perf_counter() - start:.1f} s')"
 # The core suite with the kernels on CUDA (tests/cuda reported per test below).
 check pytest_cuda 200 "${cuda[@]}" "${pytest[@]}" tests --ignore=tests/integration \
   --ignore=tests/bench --ignore=tests/cuda
+# Staging lifetimes on the device: results of one copy checked after the next ones.
+check lifetimes 120 "${cuda[@]}" "${pytest[@]}" tests/test_cuda_host_path.py -k "cuda and not stand"
 # Streams, threads, devices, sync-debug, graph replay, 2**20 pages: one line per test.
 start=$SECONDS
 "${cuda[@]}" timeout 240 "${pytest[@]}" tests/cuda -rA --junitxml="$out/cuda_paths.xml" \
@@ -82,6 +84,8 @@ check pytest_interpreter 200 "${interpreter[@]}" "${pytest[@]}" tests/test_plan.
   tests/test_runs.py tests/test_pending.py tests/cuda
 if "$python" -c "import sglang.srt.disaggregation.mooncake.conn" >/dev/null 2>&1; then
   check pytest_sglang_cuda 120 "${cuda[@]}" "${pytest[@]}" tests/integration/sglang -k cuda
+  check lifetimes_sglang_pages 120 "${cuda[@]}" "${pytest[@]}" \
+    tests/integration/sglang/test_pages_hook.py
 fi
 # The benchmark's target point: CUDA-event times, the sync-debug check, NVTX ranges.
 check bench_target 150 "${cuda[@]}" "$python" -m bench.run --target --reference loop \

@@ -50,3 +50,39 @@ def _backend_params() -> list:
 def backend_device(request) -> tuple[str, torch.device]:
     backend, device = request.param
     return backend, torch.device(device)
+
+
+@pytest.fixture
+def host_cuda(monkeypatch):
+    """The planner's CUDA host logic on CPU tensors, through the host stand-in.
+
+    Staging, events, streams and device guards run as on a GPU
+    (tests/cuda_standin.py), with a staging pool of their own whose free
+    blocks are overwritten after every wait.
+    """
+    from cuda_standin import HostCudaRuntime, scribble_free_blocks
+
+    from gpu_planner import staging
+    from gpu_planner.cuda_runtime import use_cuda_runtime
+
+    pool = staging.PinnedStaging()
+    monkeypatch.setattr(staging, "_staging", pool)
+    with use_cuda_runtime(HostCudaRuntime(after_wait=scribble_free_blocks(pool))) as runtime:
+        yield runtime
+
+
+@pytest.fixture(
+    params=[
+        "host-stand-in",
+        pytest.param(
+            "cuda",
+            marks=pytest.mark.skipif(not ON_CUDA, reason="no CUDA device (stand-in twin runs)"),
+        ),
+    ]
+)
+def cuda_path(request) -> torch.device:
+    """The torch device whose tensors take the CUDA path: CPU through the stand-in, or CUDA."""
+    if request.param == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    request.getfixturevalue("host_cuda")
+    return torch.device("cpu")

@@ -44,11 +44,9 @@ class CopyEvent:
 
 
 def _lend(pool: PinnedStaging, nbytes: int, ready=None) -> tuple[Block, np.ndarray]:
-    """Take a block as a copy does: the returned view's death gives it back."""
+    """Take a block as a copy does: the loan's death (its last view's) gives it back."""
     block = pool.take(nbytes)
-    view = block.array[:]
-    pool.give_back_when_freed(view, block, ready)
-    return block, view
+    return block, pool.lend(block, ready)
 
 
 def test_give_back_during_a_collection_under_the_pool_lock_does_not_deadlock():

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 import gpu_planner as gp
+from gpu_planner.cuda_runtime import cuda_runtime
 from gpu_planner.integration.sglang.fallback import log_fallback_once
 from gpu_planner.staging import copy_to_host
 
@@ -30,7 +31,10 @@ def kv_to_page_indices_hook(
     original: Callable[[torch.Tensor, int], np.ndarray], kv_indices: torch.Tensor, page_size: int
 ) -> np.ndarray:
     """sglang's page indices of `kv_indices`, converted on the GPU for CUDA tensors."""
-    if not (isinstance(kv_indices, torch.Tensor) and kv_indices.is_cuda):
+    on_device = isinstance(kv_indices, torch.Tensor) and cuda_runtime().runs_on_device(
+        kv_indices.device
+    )
+    if not on_device:
         return original(kv_indices, page_size)
     try:
         pages = gp.kv_to_page_indices(kv_indices, page_size)

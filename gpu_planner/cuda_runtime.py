@@ -1,0 +1,91 @@
+"""The CUDA runtime calls the planner's host logic makes, behind one small seam.
+
+Around its kernels the planner keeps host-side state on CUDA: pinned staging
+blocks and their lifetimes, events, side streams, device guards, the status
+read. That logic runs only where tensors live on a CUDA device, so a machine
+without a GPU would never run it. Every such call goes through the process's
+`CudaRuntime` (`cuda_runtime()`); the test suite swaps in a host stand-in
+(`use_cuda_runtime`) under which CPU tensors take the CUDA path, so the same
+orchestration runs, line for line, in the CPU suite.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+
+class CudaRuntime:
+    """torch's CUDA runtime: the real calls, one method each."""
+
+    def __init__(self) -> None:
+        self._side_streams: dict[torch.device, Any] = {}
+        self._side_streams_lock = threading.Lock()
+
+    def runs_on_device(self, torch_device: torch.device) -> bool:
+        """Whether tensors on `torch_device` take the CUDA path (staging, events, streams)."""
+        return torch_device.type == "cuda"
+
+    def device_guard(self, torch_device: torch.device) -> contextlib.AbstractContextManager:
+        return torch.cuda.device(torch_device)
+
+    def current_device(self) -> int:
+        return torch.cuda.current_device()
+
+    def current_stream(self, torch_device: torch.device | None = None) -> Any:
+        return torch.cuda.current_stream(torch_device)
+
+    def stream_guard(self, stream: Any) -> contextlib.AbstractContextManager:
+        return torch.cuda.stream(stream)
+
+    def new_event(self) -> Any:
+        return torch.cuda.Event()
+
+    def is_capturing(self) -> bool:
+        """Whether the current stream is capturing a CUDA graph (no events may be recorded)."""
+        return torch.cuda.is_current_stream_capturing()
+
+    def copy_async(self, target: torch.Tensor, source: torch.Tensor) -> None:
+        """Queue `target.copy_(source)` on the current stream; the host does not wait."""
+        target.copy_(source, non_blocking=True)
+
+    def host_register(self, address: int, nbytes: int) -> int:
+        """Page-lock host memory for every device (`cudaHostRegisterPortable`); the CUDA error."""
+        portable = 1
+        return int(torch.cuda.cudart().cudaHostRegister(address, nbytes, portable))
+
+    def host_unregister(self, address: int) -> int:
+        return int(torch.cuda.cudart().cudaHostUnregister(address))
+
+    def side_stream(self, torch_device: torch.device) -> Any:
+        """This process's side stream on `torch_device` (made once), for reading finished work."""
+        with self._side_streams_lock:
+            if torch_device not in self._side_streams:
+                self._side_streams[torch_device] = self._new_stream(torch_device)
+            return self._side_streams[torch_device]
+
+    def _new_stream(self, torch_device: torch.device) -> Any:
+        return torch.cuda.Stream(device=torch_device)
+
+
+_runtime = CudaRuntime()
+
+
+def cuda_runtime() -> CudaRuntime:
+    """The runtime the planner's CUDA host logic calls (torch's, unless a test swapped it)."""
+    return _runtime
+
+
+@contextlib.contextmanager
+def use_cuda_runtime(runtime: CudaRuntime) -> Iterator[CudaRuntime]:
+    """Run the planner's CUDA host logic through `runtime` (a test stand-in) within the block."""
+    global _runtime
+    previous, _runtime = _runtime, runtime
+    try:
+        yield runtime
+    finally:
+        _runtime = previous
