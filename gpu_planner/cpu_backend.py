@@ -3,31 +3,27 @@
 `_scan_pages` checks the pages, walks each space's page lists once to find its
 runs and batch cuts, checks that every descriptor ends inside its buffer and
 counts the descriptors; `_expand` then writes every (src_addr, dst_addr,
-length) once. Errors go into the kernels' status word (`kernels/status.py`),
-so both backends decode and raise them alike. A NumPy version
-needed dozens of calls and several passes over the descriptor columns; right
-after other Python work has left the caches cold, as in a scheduler loop, it
-was 3x slower (README, "On the CPU"). Numba is already a dependency of
-sglang. `nogil` lets sender threads plan concurrently; `cache` keeps the
-machine code across processes. Arrays are allocated by NumPy, which backs
-large ones with huge pages (4x faster to first touch than Numba's allocator).
+length) once. Errors go into the planner's status word (`gpu_planner/status.py`),
+so both backends decode and raise them alike. Two compiled passes replace a
+NumPy version's dozens of calls and passes over the descriptor columns, which
+is what matters with caches left cold by a scheduler loop (docs/design.md).
+Numba is already a dependency of sglang. Arrays are allocated by NumPy, which
+backs large ones with huge pages (faster to first touch than Numba's allocator).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
-from typing import NamedTuple
-
-import numba
 import numpy as np
 
+from gpu_planner.descriptors import HostDescriptors
 from gpu_planner.inputs import (
     PageList,
     as_host_array,
     raise_recorded_negative_page,
 )
-from gpu_planner.kernels.status import (
+from gpu_planner.jit import compiled
+from gpu_planner.layout import DEVICE_SPACE, HOST_SPACE, BufferLayout
+from gpu_planner.status import (
     DST_SIDE,
     NO_ERROR,
     OUT_OF_BOUNDS,
@@ -36,54 +32,12 @@ from gpu_planner.kernels.status import (
     out_of_bounds_key,
     recorded_out_of_bounds,
 )
-from gpu_planner.layout import DEVICE_SPACE, HOST_SPACE, BufferLayout
-
-
-def _compiled(function: Callable) -> Callable:
-    """Numba-compile `function` without the GIL, cached on disk where Numba can write.
-
-    With no writable cache location (a read-only install and no writable home),
-    Numba refuses `cache=True` outright; compile on every start instead of failing.
-    """
-    try:
-        return numba.njit(cache=True, nogil=True)(function)
-    except RuntimeError:  # "cannot cache function ...: no locator available"
-        return numba.njit(nogil=True)(function)
-
 
 _DESCRIPTORS = 2  # the row of `counts` that holds descriptor offsets
-_out_of_bounds_key = _compiled(out_of_bounds_key)
+_out_of_bounds_key = compiled(out_of_bounds_key)
 
 
-@dataclass
-class SpaceRuns:
-    """Runs of one destination page space, in page order."""
-
-    table: np.ndarray  # int64 [3, runs]: first source page, first destination page, pages
-    batch_run_offsets: np.ndarray  # int64 [num_batches + 1]: first run of each batch, then total
-
-    @property
-    def src_starts(self) -> np.ndarray:
-        return self.table[0]
-
-    @property
-    def dst_starts(self) -> np.ndarray:
-        return self.table[1]
-
-    @property
-    def lengths(self) -> np.ndarray:
-        return self.table[2]
-
-
-class CpuPlan(NamedTuple):
-    """A request's descriptors from the CPU backend."""
-
-    batch_run_offsets: list[np.ndarray]  # per space: first run of each batch, then the total
-    batch_offsets: np.ndarray  # int64 [num_batches + 1]: first descriptor of each batch, then N
-    columns: np.ndarray  # int64 [3, N]: src_addrs, dst_addrs, lengths
-
-
-@_compiled
+@compiled
 def _first_negative(pages):
     """Position of the first negative page, or NO_ERROR."""
     for position in range(pages.shape[0]):
@@ -92,7 +46,7 @@ def _first_negative(pages):
     return NO_ERROR
 
 
-@_compiled
+@compiled
 def _scan_runs(src_pages, dst_pages, batch_pages, table, batch_run_offsets):
     """Fill `table` (room for one run per page) and `batch_run_offsets`; return the run count.
 
@@ -121,7 +75,7 @@ def _scan_runs(src_pages, dst_pages, batch_pages, table, batch_run_offsets):
     return num_runs
 
 
-@_compiled
+@compiled
 def _first_out_of_bounds(table, num_runs, capacity, in_space, item_lens, src_limits, dst_limits):
     """Status key of the first run of `table` past a buffer `in_space`, or NO_ERROR.
 
@@ -146,7 +100,7 @@ def _first_out_of_bounds(table, num_runs, capacity, in_space, item_lens, src_lim
     return NO_ERROR
 
 
-@_compiled
+@compiled
 def _scan_pages(
     pages, batch_pages, dst_is_device, item_lens, src_limits, dst_limits, tables, counts, status
 ):
@@ -185,7 +139,7 @@ def _scan_pages(
         )
 
 
-@_compiled
+@compiled
 def _expand(tables, counts, dst_is_device, src_ptrs, dst_ptrs, item_lens, columns):
     """columns[:, slot] for every (batch, buffer, run), in that order; one write per value.
 
@@ -247,23 +201,23 @@ def _scan(
     return tables, counts, status
 
 
-def _space_runs(tables: np.ndarray, counts: np.ndarray, num_spaces: int) -> list[SpaceRuns]:
+def group_runs(pages: dict[str, PageList], batch_pages: int) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Each destination space's (run table, batch run offsets), in page order.
+
+    `pages` maps argument names to validated page lists: the source pages,
+    then one destination array per space. A run table is int64 [3, runs]:
+    first source page, first destination page, pages; the offsets are the
+    first run of each batch, then the total.
+    """
+    tables, counts, _ = _scan(pages, batch_pages, _NO_BUFFERS)
     return [
-        SpaceRuns(tables[space, :, : counts[space, -1]], counts[space])
-        for space in range(num_spaces)
+        (tables[space, :, : counts[space, -1]], counts[space]) for space in range(len(pages) - 1)
     ]
 
 
-def group_runs(pages: dict[str, PageList], batch_pages: int) -> list[SpaceRuns]:
-    """Runs of every destination space; `pages` maps argument names to validated page lists.
-
-    The first array is the source pages, then one destination array per space.
-    """
-    tables, counts, _ = _scan(pages, batch_pages, _NO_BUFFERS)
-    return _space_runs(tables, counts, len(pages) - 1)
-
-
-def plan_descriptors(layout: BufferLayout, pages: dict[str, PageList], batch_pages: int) -> CpuPlan:
+def plan_descriptors(
+    layout: BufferLayout, pages: dict[str, PageList], batch_pages: int
+) -> HostDescriptors:
     """Plan one request; raise for a negative page or a descriptor past its buffer.
 
     `pages` maps argument names (src_pages, dst_pages and, for layouts with
@@ -287,7 +241,7 @@ def plan_descriptors(layout: BufferLayout, pages: dict[str, PageList], batch_pag
         layout.item_lens,
         columns,
     )
-    return CpuPlan(list(counts[:num_spaces]), counts[_DESCRIPTORS], columns)
+    return HostDescriptors(columns, counts[_DESCRIPTORS], list(counts[:num_spaces]))
 
 
 def compile_kernels() -> None:

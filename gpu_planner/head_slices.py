@@ -22,7 +22,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from gpu_planner.cpu_backend import _compiled
 from gpu_planner.errors import PlanValidationError
 from gpu_planner.inputs import (
     INT64_MAX,
@@ -34,6 +33,7 @@ from gpu_planner.inputs import (
     is_integer,
     negative_page_error,
 )
+from gpu_planner.jit import compiled
 
 SIDES = ("src", "dst")
 # Rows of a side's geometry table, one value per layer.
@@ -150,7 +150,7 @@ class HeadSliceDescriptors:
         return self.addresses.shape[2]
 
 
-@_compiled
+@compiled
 def _room_after(room, count, step):
     """`room - count * step` when it is >= 0 (checked without overflow), else -1."""
     if step and count > room // step:
@@ -158,7 +158,7 @@ def _room_after(room, count, step):
     return room - count * step
 
 
-@_compiled
+@compiled
 def _fits(geometry, slice_lens, side, layer, page, slot):
     """Whether this token's descriptor ends at or below 2**63 - 1 (no sum can overflow)."""
     room = 9223372036854775807 - geometry[side, 0, layer]
@@ -172,7 +172,7 @@ def _fits(geometry, slice_lens, side, layer, page, slot):
     return room >= 0
 
 
-@_compiled
+@compiled
 def _write_addresses(geometry, slice_lens, pages, page_size, addresses, overflow):
     """Fill `addresses` [2, layers, pages * page_size]; or stop at the first overflow.
 

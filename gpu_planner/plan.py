@@ -14,8 +14,10 @@ import torch
 from gpu_planner import cpu_backend
 from gpu_planner.cuda_runtime import cuda_runtime
 from gpu_planner.cuda_streams import on_torch_device, side_stream
+from gpu_planner.descriptors import HostDescriptors
 from gpu_planner.errors import PlanValidationError
 from gpu_planner.inputs import (
+    INT64_MAX,
     Backend,
     IndexLike,
     PageList,
@@ -26,11 +28,28 @@ from gpu_planner.layout import BufferLayout
 from gpu_planner.profiling import nvtx_range
 from gpu_planner.runs import launch_runs, read_device_counts
 from gpu_planner.staging import copy_to_host_async
+from gpu_planner.status import recorded_out_of_bounds
 
 if TYPE_CHECKING:  # the kernels import triton; load them only when they run
-    from gpu_planner.kernels.run_scan import DeviceRuns
+    from gpu_planner.kernels.run_scan import RunTables
 
 Descriptors = tuple[list[int], list[int], list[int]]
+
+
+def exact_total(lengths: np.ndarray) -> int:
+    """The sum of int64 `lengths` (each >= 0) as an exact Python int.
+
+    An int64 sum wraps (four 2**62-byte descriptors sum to 0), so when the
+    largest length times the count could pass 2**63 - 1, the high and low 32
+    bits are summed apart: each sum fits in 64 bits for fewer than 2**32 values.
+    """
+    if lengths.size == 0:
+        return 0
+    if int(lengths.max()) <= INT64_MAX // lengths.size:  # no partial sum can wrap
+        return int(lengths.sum())
+    high = int((lengths >> 32).sum())
+    low = int((lengths & 0xFFFF_FFFF).sum(dtype=np.uint64))
+    return (high << 32) + low
 
 
 class BufferBatch(NamedTuple):
@@ -48,16 +67,7 @@ class BufferBatch(NamedTuple):
 
 
 @dataclass(frozen=True)
-class HostDescriptors:
-    """A plan's descriptors in host memory: what every reader of a plan uses."""
-
-    columns: np.ndarray  # int64 [3, num_descriptors]: src_addrs, dst_addrs, lengths
-    batch_offsets: np.ndarray  # int64 [num_batches + 1]: first descriptor of each batch, total
-    batch_run_offsets: list[np.ndarray]  # per space (host, then device): int64 [num_batches + 1]
-
-
-@dataclass(frozen=True)
-class LaunchedRuns:
+class LaunchedPlan:
     """A kernel plan before its first read: run tables on the device, and where they ran.
 
     `done` is recorded on the planning stream after the last run kernel; None
@@ -65,7 +75,7 @@ class LaunchedRuns:
     reader orders itself after its own current stream instead.
     """
 
-    runs: DeviceRuns
+    runs: RunTables
     torch_device: torch.device
     done: torch.cuda.Event | None
 
@@ -81,7 +91,7 @@ class TransferPlan:
     """
 
     def __init__(
-        self, layout: BufferLayout, num_batches: int, state: HostDescriptors | LaunchedRuns
+        self, layout: BufferLayout, num_batches: int, state: HostDescriptors | LaunchedPlan
     ) -> None:
         self.layout = layout
         self.num_batches = num_batches
@@ -98,7 +108,7 @@ class TransferPlan:
 
     @classmethod
     def from_launched(
-        cls, layout: BufferLayout, num_batches: int, launched: LaunchedRuns
+        cls, layout: BufferLayout, num_batches: int, launched: LaunchedPlan
     ) -> TransferPlan:
         """A plan whose run kernels were launched; descriptors are made on first read."""
         return cls(layout, num_batches, launched)
@@ -109,13 +119,13 @@ class TransferPlan:
 
     def materialize(self) -> TransferPlan:
         """Bring the descriptors to the host (no-op when already there); raise recorded errors."""
-        if isinstance(self._state, LaunchedRuns):
+        if isinstance(self._state, LaunchedPlan):
             with self._read_lock:
-                if isinstance(self._state, LaunchedRuns):
+                if isinstance(self._state, LaunchedPlan):
                     self._state = self._read(self._state)
         return self
 
-    def _read(self, launched: LaunchedRuns) -> HostDescriptors:
+    def _read(self, launched: LaunchedPlan) -> HostDescriptors:
         """Status and counts, exact expansion, one copy; on a stream that waits on `done` only."""
         from gpu_planner.kernels.expand_descriptors import launch_expand_descriptors
 
@@ -148,8 +158,6 @@ class TransferPlan:
 
     def _raise_out_of_bounds(self, status: np.ndarray, device_runs) -> None:
         """Raise the first out-of-bounds descriptor the expansion kernel recorded, if any."""
-        from gpu_planner.kernels.status import recorded_out_of_bounds
-
         recorded = recorded_out_of_bounds(status, device_runs.capacity)
         if recorded is not None:
             buffer, run, side = recorded
@@ -198,7 +206,8 @@ class TransferPlan:
 
     @property
     def total_bytes(self) -> int:
-        return int(self.columns_array()[2].sum())
+        """The bytes of every descriptor: an exact Python int (descriptors may overlap)."""
+        return exact_total(self.columns_array()[2])
 
     def batches(self) -> Iterator[Descriptors]:
         """One (srcs, dsts, lens) list triple per non-empty batch: one Mooncake call each."""
@@ -330,8 +339,7 @@ def plan_transfer(
         pages.pop("dst_device_pages", None)
     if resolve_backend(backend, request.torch_device) == "cpu":
         with nvtx_range("plan_transfer/cpu"):
-            planned = cpu_backend.plan_descriptors(layout, pages, request.batch_pages)
-        host = HostDescriptors(planned.columns, planned.batch_offsets, planned.batch_run_offsets)
+            host = cpu_backend.plan_descriptors(layout, pages, request.batch_pages)
         return TransferPlan.from_host(layout, request.num_batches, host)
     with nvtx_range("plan_transfer/kernels"):
         launched = _launch(layout, pages, request.batch_pages, request.torch_device)
@@ -343,7 +351,7 @@ def plan_transfer(
 
 def _launch(
     layout: BufferLayout, pages: dict[str, PageList], batch_pages: int, torch_device: torch.device
-) -> LaunchedRuns:
+) -> LaunchedPlan:
     """Launch the run kernels on the pages' device and current stream; record their event."""
     from gpu_planner.kernels.launch_config import MAX_GRID_Y
 
@@ -359,11 +367,11 @@ def _launch(
         if runtime.runs_on_device(torch_device) and not runtime.is_capturing():
             done = runtime.new_event()
             done.record()
-    return LaunchedRuns(runs, torch_device, done)
+    return LaunchedPlan(runs, torch_device, done)
 
 
 @contextlib.contextmanager
-def _reading_stream(launched: LaunchedRuns) -> Iterator[torch.cuda.Stream | None]:
+def _reading_stream(launched: LaunchedPlan) -> Iterator[torch.cuda.Stream | None]:
     """The stream a plan is read on: the device's side stream, ordered after the plan only.
 
     With no `done` event (a plan captured in a CUDA graph and replayed), the

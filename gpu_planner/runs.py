@@ -20,13 +20,14 @@ from gpu_planner.inputs import (
     resolve_backend,
 )
 from gpu_planner.staging import copy_to_host
+from gpu_planner.status import NUM_SLOTS
 
 if TYPE_CHECKING:  # the kernels import triton; load them only when they run
-    from gpu_planner.kernels.run_scan import DeviceRuns
+    from gpu_planner.kernels.run_scan import RunTables
 
 
 @dataclass
-class RunList:
+class SpaceRuns:
     """Runs of one destination space, in page order (int64 tensors on the input's device)."""
 
     src_starts: torch.Tensor
@@ -42,8 +43,8 @@ class RunList:
 class Runs:
     """Run plans for the host space and, when device pages were given, the device space."""
 
-    host: RunList
-    device: RunList | None
+    host: SpaceRuns
+    device: SpaceRuns | None
     num_batches: int
 
 
@@ -65,7 +66,7 @@ def group_runs(
         backend: as in `plan_transfer`.
 
     Returns:
-        `Runs(host, device, num_batches)`: one `RunList` per page space (int64
+        `Runs(host, device, num_batches)`: one `SpaceRuns` per page space (int64
         src_starts, dst_starts, lengths [runs] and batch_run_offsets
         [num_batches + 1], on the input's torch device). This reads the run
         counts back to return exact tensors; `plan_transfer` does not.
@@ -77,43 +78,42 @@ def group_runs(
     request = collect_pages(src_pages, dst_pages, dst_device_pages, max_batch_pages)
     if resolve_backend(backend, request.torch_device) == "cpu":
         spaces = cpu_backend.group_runs(request.pages, request.batch_pages)
-        run_lists = [_run_list_from_host(space, request.torch_device) for space in spaces]
+        space_runs = [_space_runs_on(request.torch_device, *space) for space in spaces]
     else:
-        run_lists = _group_runs_with_kernels(request.pages, request.batch_pages)
+        space_runs = _group_runs_with_kernels(request.pages, request.batch_pages)
     return Runs(
-        host=run_lists[0],
-        device=run_lists[1] if len(run_lists) > 1 else None,
+        host=space_runs[0],
+        device=space_runs[1] if len(space_runs) > 1 else None,
         num_batches=request.num_batches,
     )
 
 
 def read_device_counts(
-    runs: DeviceRuns, stream: torch.cuda.Stream | None = None
+    runs: RunTables, stream: torch.cuda.Stream | None = None
 ) -> list[np.ndarray]:
     """Each space's batch run offsets, read with the status word in one small host read.
 
     The copy runs on `stream` (default: the current one) and the host waits
     on it alone. Raises the first negative page the kernels recorded.
     """
-    from gpu_planner.kernels.status import NUM_SLOTS
-
     # Copied out of the pinned block, so the block is free for the next read at once.
     metadata = copy_to_host(runs.metadata, stream).numpy().copy()
     raise_recorded_negative_page(metadata[:NUM_SLOTS])
     return list(metadata[NUM_SLOTS:].reshape(runs.num_spaces, -1))
 
 
-def _run_list_from_host(space: cpu_backend.SpaceRuns, torch_device: torch.device) -> RunList:
-    return RunList(
-        *(
-            torch.from_numpy(np.ascontiguousarray(values)).to(torch_device)
-            for values in (space.src_starts, space.dst_starts, space.lengths)
-        ),
-        batch_run_offsets=torch.from_numpy(space.batch_run_offsets).to(torch_device),
+def _space_runs_on(
+    torch_device: torch.device, table: np.ndarray, batch_run_offsets: np.ndarray
+) -> SpaceRuns:
+    """The CPU backend's run table of one space as `SpaceRuns` on `torch_device`."""
+    src_starts, dst_starts, lengths = (
+        torch.from_numpy(np.ascontiguousarray(row)).to(torch_device) for row in table
     )
+    batch_run_offsets = torch.from_numpy(batch_run_offsets).to(torch_device)
+    return SpaceRuns(src_starts, dst_starts, lengths, batch_run_offsets)
 
 
-def launch_runs(pages: dict[str, PageList], batch_pages: int) -> DeviceRuns:
+def launch_runs(pages: dict[str, PageList], batch_pages: int) -> RunTables:
     """Launch the run-grouping kernels on validated page lists (current device and stream)."""
     from gpu_planner.kernels.run_scan import launch_group_runs
 
@@ -123,13 +123,13 @@ def launch_runs(pages: dict[str, PageList], batch_pages: int) -> DeviceRuns:
     )
 
 
-def _group_runs_with_kernels(pages: dict[str, PageList], batch_pages: int) -> list[RunList]:
+def _group_runs_with_kernels(pages: dict[str, PageList], batch_pages: int) -> list[SpaceRuns]:
     with on_torch_device(as_tensor(pages["src_pages"]).device):
         runs = launch_runs(pages, batch_pages)
         batch_run_offsets = read_device_counts(runs)
     run_counts = [int(offsets[-1]) for offsets in batch_run_offsets]
     return [
-        RunList(
+        SpaceRuns(
             src_starts=runs.src_starts[space, :count],
             dst_starts=runs.dst_starts[space, :count],
             lengths=runs.page_ends[space, :count] - runs.page_starts[space, :count],

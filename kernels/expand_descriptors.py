@@ -17,8 +17,8 @@ import triton
 import triton.language as tl
 
 from gpu_planner.kernels.launch_config import RUNS
-from gpu_planner.kernels.run_scan import DeviceRuns
-from gpu_planner.kernels.status import DST_SIDE, NO_ERROR, OUT_OF_BOUNDS, SRC_SIDE
+from gpu_planner.kernels.run_scan import RunTables
+from gpu_planner.status import DST_SIDE, NO_ERROR, OUT_OF_BOUNDS, SRC_SIDE
 
 _NO_ERROR = tl.constexpr(NO_ERROR)
 _DST_SIDE = tl.constexpr(DST_SIDE)
@@ -119,7 +119,7 @@ def launch_expand_descriptors(
     tables: dict[str, torch.Tensor],
     num_host_buffers: int,
     num_device_buffers: int,
-    runs: DeviceRuns,
+    runs: RunTables,
     run_counts: list[int],
 ) -> torch.Tensor:
     """Write every buffer's descriptors into an exact flat int64 tensor (3 packed columns).

@@ -15,9 +15,9 @@ import triton
 import triton.language as tl
 
 from gpu_planner.kernels.launch_config import PAGES, SCAN
-from gpu_planner.kernels.status import NEGATIVE_PAGE_SLOTS, NO_ERROR, NUM_SLOTS
+from gpu_planner.status import NEGATIVE_PAGE_SLOTS, NO_ERROR, NUM_SLOTS
 
-# The status slots of the first negative page of each page list (kernels/status.py),
+# The status slots of the first negative page of each page list (gpu_planner/status.py),
 # relative to the source pages' slot, which the count kernel receives.
 _SRC_SLOT = NEGATIVE_PAGE_SLOTS["src_pages"]
 _DST_SLOT = tl.constexpr(NEGATIVE_PAGE_SLOTS["dst_pages"] - _SRC_SLOT)
@@ -235,7 +235,7 @@ def _scatter_runs_kernel(
 
 
 @dataclass
-class DeviceRuns:
+class RunTables:
     """Runs of both destination spaces, padded to `capacity`; row 0 host, row 1 device.
 
     `metadata` is the one small tensor the host reads before expansion: the
@@ -279,7 +279,7 @@ def launch_group_runs(
     dst_pages: torch.Tensor,
     dst_device_pages: torch.Tensor | None,
     batch_pages: int,
-) -> DeviceRuns:
+) -> RunTables:
     """Group runs for one or two destination spaces: one fill, three kernels, no host read.
 
     Launches on the current CUDA device and stream: the caller guards the device.
@@ -297,7 +297,7 @@ def launch_group_runs(
         dtype=torch.int64,
         device=torch_device,
     )
-    runs = DeviceRuns(
+    runs = RunTables(
         page_starts=_int64_rows(num_spaces, capacity, torch_device),
         page_ends=_int64_rows(num_spaces, capacity, torch_device),
         src_starts=_int64_rows(num_spaces, capacity, torch_device),

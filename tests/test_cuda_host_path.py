@@ -20,7 +20,7 @@ from cuda_standin import one_kernel_at_a_time
 
 import gpu_planner as gp
 from gpu_planner import reference, staging
-from gpu_planner.plan import LaunchedRuns
+from gpu_planner.plan import LaunchedPlan
 from gpu_planner.testing import fragmented_pages
 
 ITEM_LENS = [4096, 512, 576]
@@ -119,7 +119,7 @@ def test_two_plans_in_a_row_keep_their_own_descriptors(cuda_path, max_batch_page
     first = _request(1)
     second = {name: pages + 1000 for name, pages in first.items()}  # same sizes, other values
     first_plan = _launch(first, layout, cuda_path, max_batch_pages)
-    assert isinstance(first_plan._state, LaunchedRuns)  # nothing read back until first used
+    assert isinstance(first_plan._state, LaunchedPlan)  # nothing read back until first used
     first_columns = first_plan.columns
     second_plan = _launch(second, layout, cuda_path, max_batch_pages)
     assert second_plan.num_descriptors > 0

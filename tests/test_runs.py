@@ -22,8 +22,8 @@ def reference_runs(src, dst, max_batch_pages):
     return runs, batch_run_offsets
 
 
-def as_tuples(run_list: gp.RunList) -> list[tuple[int, int, int]]:
-    columns = (run_list.src_starts, run_list.dst_starts, run_list.lengths)
+def as_tuples(space_runs: gp.SpaceRuns) -> list[tuple[int, int, int]]:
+    columns = (space_runs.src_starts, space_runs.dst_starts, space_runs.lengths)
     return list(zip(*(column.cpu().tolist() for column in columns), strict=True))
 
 

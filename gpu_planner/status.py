@@ -11,7 +11,8 @@ the host reads it once and turns it into an exception. Slots:
   buffer, then run, then side (dst before src).
 
 `NO_ERROR` (int64 max) marks an empty slot, so the minimum is the first error.
-This module imports no Triton: the CPU backend and the plan read it too.
+A core contract, so it imports nothing but NumPy: the kernels (the one core
+module they import), the CPU backend and the plan all read it.
 """
 
 from __future__ import annotations
