@@ -24,6 +24,7 @@ import dataclasses
 import functools
 import inspect
 import logging
+import time
 from collections.abc import Callable
 
 import numpy as np
@@ -34,6 +35,8 @@ from sglang.srt.distributed.device_communicators.mooncake_transfer_engine import
 
 import gpu_planner as gp
 from gpu_planner.integration.mooncake import handoff
+from gpu_planner.integration.sglang import bounds
+from gpu_planner.integration.sglang.counters import record_send
 from gpu_planner.integration.sglang.entries import Entry, SendCall, transfer_entries
 from gpu_planner.integration.sglang.fallback import log_fallback_once
 from gpu_planner.integration.sglang.layer_calls import submit_in_order
@@ -59,14 +62,27 @@ def send_kvcache_generic_hook(
     entries = transfer_entries(manager, call)
     if isinstance(entries, int):
         return entries
+    started = time.perf_counter()
     try:
         plan = _plan(manager, call, entries)
+    except bounds.OutOfRange as error:
+        return bounds.refuse(call.mooncake_session_id, error)
     except gp.PlanValidationError as error:
         log_fallback_once(f"the planner rejected a send ({error})", key="planner rejected")
         return original(manager, *args, **kwargs)
     if plan is None:
         return 0
+    plan_seconds = time.perf_counter() - started
     path, send = engine_send(manager.engine)
+    record_send(
+        "generic",
+        path,
+        plan.num_descriptors,
+        plan.total_bytes,
+        plan_seconds,
+        plan.layout.num_buffers,
+        plan.num_batches,
+    )
     session = call.mooncake_session_id
     if _uses_per_layer_futures(manager):
         pieces = list(handoff.buffer_batches(plan, path))
@@ -125,6 +141,25 @@ def _layout(
     return gp.BufferLayout(src_ptrs, dst_ptrs, item_lens, dst_is_device=dst_is_device)
 
 
+def _check_bounds(
+    manager: conn.MooncakeKVManager,
+    call: SendCall,
+    src_ptrs: tuple[int, ...],
+    item_lens: tuple[int, ...],
+    host_live: bool,
+    device_live: bool,
+) -> None:
+    """Every page >= 0 and every source buffer's pages inside the prefill's registered memory."""
+    max_page = bounds.check_pages(call.prefill_data_indices, "prefill_data_indices")
+    if host_live:
+        bounds.check_pages(call.dst_data_indices, "dst_data_indices")
+    if device_live:
+        bounds.check_pages(call.dst_device_data_indices, "dst_device_data_indices")
+    bounds.check_sources(
+        manager.kv_args, src_ptrs, max_page, item_lens, 0, item_lens, "prefill_data_indices"
+    )
+
+
 def _uses_per_layer_futures(manager: conn.MooncakeKVManager) -> bool:
     """sglang submits one engine call per layer to the executor with a custom memory pool."""
     return manager.enable_custom_mem_pool and manager.custom_mem_pool_type != "INTRA_NODE_NVLINK"
@@ -152,7 +187,8 @@ def _plan(
 
     A destination space with an empty page list has no runs (sglang's
     `group_concurrent_contiguous` returns none when either side is empty), so
-    its buffers move nothing and are left out of the layout.
+    its buffers move nothing and are left out of the layout. Raises
+    `bounds.OutOfRange` for pages or buffers out of range (`_check_bounds`).
     """
     src_pages = call.prefill_data_indices
     device_ptrs = call.dst_device_data_ptrs
@@ -168,6 +204,7 @@ def _plan(
         return None
     src_ptrs, dst_ptrs, item_lens = zip(*(entry for entry, _ in kept), strict=True)
     kept_is_device = tuple(device for _, device in kept)
+    _check_bounds(manager, call, src_ptrs, item_lens, host_live, device_live)
     if host_live:
         dst_pages = call.dst_data_indices
         device_pages = call.dst_device_data_indices if device_live else None

@@ -26,6 +26,7 @@ import dataclasses
 import functools
 import inspect
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -39,6 +40,8 @@ from sglang.srt.disaggregation.mooncake import conn
 from gpu_planner.errors import PlanValidationError
 from gpu_planner.head_slices import HeadSliceDescriptors, HeadSliceLayout, head_slice_descriptors
 from gpu_planner.integration.mooncake import handoff
+from gpu_planner.integration.sglang import bounds
+from gpu_planner.integration.sglang.counters import record_send
 from gpu_planner.integration.sglang.fallback import log_fallback_once
 from gpu_planner.integration.sglang.layer_calls import submit_in_order
 from gpu_planner.integration.sglang.send import engine_send
@@ -125,6 +128,18 @@ def send_kvcache_slice_hook(
         log_fallback_once(pages)
         return original(manager, *args, **kwargs)
     try:
+        _check_kv_slice_bounds(
+            manager,
+            call,
+            [src for src, _ in layer_pairs],
+            pages,
+            (src_head_start * head_len, dst_head_start * head_len),
+            slice_len,
+        )
+    except bounds.OutOfRange as error:
+        return bounds.refuse(call.mooncake_session_id, error)
+    started = time.perf_counter()
+    try:
         layout = _kv_slice_layout(
             tuple(layer_pairs),
             page_size,
@@ -138,7 +153,46 @@ def send_kvcache_slice_hook(
     except PlanValidationError as error:
         log_fallback_once(f"a head-sliced send was rejected ({error})", key="slice rejected")
         return original(manager, *args, **kwargs)
-    return _send_layers(manager, call.mooncake_session_id, descriptors, block, call.executor)
+    return _send_layers(
+        manager, call.mooncake_session_id, descriptors, block, call.executor, started
+    )
+
+
+def _check_kv_slice_bounds(
+    manager: conn.MooncakeKVManager,
+    call: SliceCall,
+    src_ptrs: list[int],
+    pages: tuple[np.ndarray, np.ndarray],
+    head_offsets: tuple[int, int],
+    slice_len: int,
+) -> None:
+    """The KV slice send stays in registered memory (`bounds`); raises `bounds.OutOfRange`.
+
+    The decode's `dst_kv_item_len` sets the head size, so the offsets and the
+    slice length (Python ints, any size) are checked against both sides' token
+    slots before anything else uses them.
+    """
+    if not pages[0].size:
+        return  # sglang makes no engine call
+    page_size = manager.kv_args.page_size
+    src_item_len = manager.kv_args.kv_item_lens[0]
+    token_lens = (src_item_len // page_size, call.dst_kv_item_len // page_size)
+    for side, offset, token_len in zip(
+        ("source", "destination"), head_offsets, token_lens, strict=True
+    ):
+        bounds.check_head_slices(side, offset, slice_len, token_len, "dst_kv_item_len")
+    max_page = bounds.check_pages(pages[0], "prefill_kv_indices")
+    bounds.check_pages(pages[1], "dst_kv_indices")
+    last_offset = (page_size - 1) * token_lens[0] + head_offsets[0]
+    bounds.check_sources(
+        manager.kv_args,
+        src_ptrs,
+        max_page,
+        src_item_len,
+        last_offset,
+        slice_len,
+        "prefill_kv_indices",
+    )
 
 
 @functools.lru_cache(maxsize=64)
@@ -219,6 +273,11 @@ def send_swa_state_slice_hook(
             log_fallback_once(pages)
         return original(manager, *args, **kwargs)
     try:
+        _check_swa_slice_bounds(manager, layout, pages)
+    except bounds.OutOfRange as error:
+        return bounds.refuse(call.req.mooncake_session_id, error)
+    started = time.perf_counter()
+    try:
         descriptors, block = _build(layout, pages)
     except PlanValidationError as error:
         log_fallback_once(f"a head-sliced send was rejected ({error})", key="slice rejected")
@@ -227,7 +286,9 @@ def send_swa_state_slice_hook(
         "Using SWA state head-slice transfer for different attention TP sizes: "
         f"prefill={manager.attn_tp_size}, decode={call.dst_attn_tp_size}."
     )
-    return _send_layers(manager, call.req.mooncake_session_id, descriptors, block, call.executor)
+    return _send_layers(
+        manager, call.req.mooncake_session_id, descriptors, block, call.executor, started
+    )
 
 
 def _swa_layout(manager: conn.MooncakeKVManager, call: SwaSliceCall) -> HeadSliceLayout | None:
@@ -294,6 +355,34 @@ def _swa_layout(manager: conn.MooncakeKVManager, call: SwaSliceCall) -> HeadSlic
     except PlanValidationError as error:
         log_fallback_once(f"a head-sliced send was rejected ({error})", key="slice rejected")
         return None
+
+
+def _check_swa_slice_bounds(
+    manager: conn.MooncakeKVManager, layout: HeadSliceLayout, pages: tuple[np.ndarray, np.ndarray]
+) -> None:
+    """The SWA state slice send stays in registered memory (`bounds`); raises `bounds.OutOfRange`.
+
+    The layout's per-entry values are int64 in [0, 2**63) (checked when built).
+    """
+    if not pages[0].size:
+        return  # sglang makes no engine call
+    ptrs, page_lens, token_lens, head_offsets = layout.geometry[0]  # the source side's
+    for side, geometry in zip(("source", "destination"), layout.geometry, strict=True):
+        bounds.check_head_slices(
+            side, geometry[3], layout.slice_lens, geometry[2], "dst_state_item_lens"
+        )
+    max_page = bounds.check_pages(pages[0], "prefill_swa_page_indices")
+    bounds.check_pages(pages[1], "dst_swa_page_indices")
+    last_offsets = (layout.page_size - 1) * token_lens + head_offsets
+    bounds.check_sources(
+        manager.kv_args,
+        ptrs,
+        max_page,
+        page_lens,
+        last_offsets,
+        layout.slice_lens,
+        "prefill_swa_page_indices",
+    )
 
 
 def _page_arrays(
@@ -379,13 +468,24 @@ def _send_layers(
     descriptors: HeadSliceDescriptors,
     block: np.ndarray,
     executor: concurrent.futures.Executor,
+    started: float,
 ) -> int:
     """One engine call per layer from `executor`, in layer order (`layer_calls`); sglang's status.
 
     A layer without descriptors returns 0 without a call, as in sglang. The
-    block goes back to ADDRESS_BLOCKS when the last call has ended.
+    block goes back to ADDRESS_BLOCKS when the last call has ended. `started`
+    (perf_counter) is when the build began: the plan time counted.
     """
+    plan_seconds = time.perf_counter() - started
     path, send = engine_send(manager.engine)
+    record_send(
+        "slice",
+        path,
+        descriptors.addresses[0].size,
+        int(descriptors.slice_lens.sum()) * descriptors.num_tokens,
+        plan_seconds,
+        descriptors.addresses.shape[1],
+    )
 
     def send_layer(layer: int) -> int:
         if descriptors.num_tokens == 0:

@@ -10,6 +10,7 @@ runs unchanged on it; `RecordingEngine` stands in for sglang's
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence
 
 from sglang.srt.disaggregation.base.conn import KVArgs
 from sglang.srt.disaggregation.mooncake import conn
@@ -71,13 +72,18 @@ def make_manager(
     max_transfer_batch_indices: int = 0,
     validated_sessions: tuple[str, ...] = (),
     deferred_release: bool = False,
+    kv_data_ptrs: Sequence[int] = (),
+    kv_data_lens: Sequence[int] = (),
 ) -> conn.MooncakeKVManager:
     """A real MooncakeKVManager holding just the state `_send_kvcache_generic` reads.
 
     `engine` is what the manager sends through: a `RecordingEngine`, or
     sglang's real `MooncakeTransferEngine` wrapper around a Mooncake engine.
+    `kv_data_ptrs`/`kv_data_lens` are the prefill's registered KV buffers: the
+    hooks refuse to read outside them.
     """
     kv_args = KVArgs()
+    kv_args.kv_data_ptrs, kv_args.kv_data_lens = list(kv_data_ptrs), list(kv_data_lens)
     kv_args.prefill_start_layer = start_layer
     kv_args.prefill_end_layer = end_layer
     kv_args.mla_compression_ratios = None

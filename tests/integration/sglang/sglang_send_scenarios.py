@@ -186,6 +186,9 @@ def send_scenarios(draw, kind: str) -> SendScenario:
     call.update(draw(pages_and_hisparse(call["dst_data_ptrs"])))
     call["bootstrap_room"] = draw(st.integers(0, 2**40))
     manager = dict(layout["manager"])
+    # The prefill registered every source buffer for its whole span.
+    manager["kv_data_ptrs"] = call["src_data_ptrs"]
+    manager["kv_data_lens"] = [1 << 32] * len(call["src_data_ptrs"])
     manager["custom_mem_pool"] = draw(st.booleans())
     manager["custom_mem_pool_type"] = draw(st.sampled_from(["NVLINK", "INTRA_NODE_NVLINK"]))
     manager["max_transfer_batch_indices"] = draw(st.sampled_from([0, -1, 1, 3, 8, 1024]))

@@ -95,10 +95,11 @@ def hisparse_mla_call(num_pages: int, max_batch: int) -> tuple[dict, dict]:
     src = rng.permutation(4 * num_pages)[:num_pages].astype(np.int64)
     dst = np.arange(num_pages, dtype=np.int32) + 10
     device = np.sort(rng.permutation(4 * num_pages)[:num_pages]).astype(np.int32)
+    src_ptrs = [(1 << 40) + i * (1 << 32) for i in range(8)]
     dst_ptrs = [(1 << 44) + i * (1 << 32) for i in range(8)]
     call = {
         "mooncake_session_id": SESSION,
-        "src_data_ptrs": [(1 << 40) + i * (1 << 32) for i in range(8)],
+        "src_data_ptrs": src_ptrs,
         "dst_data_ptrs": dst_ptrs,
         "item_lens": [656] * 8,
         "prefill_data_indices": src,
@@ -107,7 +108,8 @@ def hisparse_mla_call(num_pages: int, max_batch: int) -> tuple[dict, dict]:
         "dst_device_data_indices": device,
         "dst_device_data_ptrs": set(dst_ptrs[5:]),
     }
-    return call, {"mla": True, "max_transfer_batch_indices": max_batch}
+    registered = {"kv_data_ptrs": src_ptrs, "kv_data_lens": [1 << 32] * 8}
+    return call, {"mla": True, "max_transfer_batch_indices": max_batch, **registered}
 
 
 @pytest.mark.parametrize("max_batch", [0, 7])

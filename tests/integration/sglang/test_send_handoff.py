@@ -215,7 +215,11 @@ def test_hooked_send_moves_the_bytes_through_real_engines(
         dst_pages = np.sort(rng.permutation(POOL_PAGES)[:300])  # long runs on the decode side
         monkeypatch.setattr(prefill, "engine", spy := SpyEngine(prefill.engine))
         manager = make_manager(
-            prefill, custom_mem_pool=custom_mem_pool, max_transfer_batch_indices=128
+            prefill,
+            custom_mem_pool=custom_mem_pool,
+            max_transfer_batch_indices=128,
+            kv_data_ptrs=buffer_ptrs(src),
+            kv_data_lens=[POOL_PAGES * n for n in ITEM_LENS],
         )
         with concurrent.futures.ThreadPoolExecutor(max_workers=3) as executor:
             status = hooked_send()(

@@ -57,6 +57,11 @@ class KVPool:
     def ptrs(self) -> list[int]:
         return [self.tensor.data_ptr() + offset for offset in self.offsets[:-1]]
 
+    @property
+    def lens(self) -> list[int]:
+        """Each buffer's registered bytes (the prefill's `kv_args.kv_data_lens`)."""
+        return [POOL_PAGES * n for n in self.item_lens]
+
     def page(self, buffer: int, page: int) -> slice:
         item_len = self.item_lens[buffer]
         start = self.offsets[buffer] + page * item_len
@@ -110,7 +115,13 @@ def test_hisparse_mla_send_moves_the_right_bytes(engines, kv_pools):
         dst,
         [(b, b, src_pages, device_pages if b >= 4 else host_pages) for b in range(6)],
     )
-    manager = make_manager(prefill, mla=True, max_transfer_batch_indices=7)
+    manager = make_manager(
+        prefill,
+        mla=True,
+        max_transfer_batch_indices=7,
+        kv_data_ptrs=src.ptrs,
+        kv_data_lens=src.lens,
+    )
     status = hooked_send()(
         manager,
         mooncake_session_id=decode.session_id,
@@ -139,7 +150,14 @@ def test_mha_pp_stage_custom_pool_send_moves_the_right_bytes(engines, kv_pools):
     # Prefill K layer i -> decode K layer 1 + i; prefill V layer i -> decode V layer 1 + i.
     pairs = [(0, 1), (1, 2), (2, 5), (3, 6)]
     expected = expected_bytes(src, dst, [(s, d, src_pages, dst_pages) for s, d in pairs])
-    manager = make_manager(prefill, start_layer=1, custom_mem_pool=True, pp_size=2)
+    manager = make_manager(
+        prefill,
+        start_layer=1,
+        custom_mem_pool=True,
+        pp_size=2,
+        kv_data_ptrs=src.ptrs,
+        kv_data_lens=src.lens,
+    )
     with concurrent.futures.ThreadPoolExecutor(max_workers=3) as executor:
         status = hooked_send()(
             manager,

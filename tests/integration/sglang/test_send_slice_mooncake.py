@@ -45,6 +45,7 @@ def test_hooked_slice_send_moves_the_sent_heads_through_real_engines(monkeypatch
         manager.attn_tp_size = SRC_TP
         kv_args = manager.kv_args
         kv_args.kv_data_ptrs, kv_args.kv_item_lens = sides.local.ptrs, [SRC_ITEM_LEN] * buffers
+        kv_args.kv_data_lens = [POOL_PAGES * SRC_ITEM_LEN] * buffers
         kv_args.kv_layer_ids, kv_args.page_size = [], PAGE_SIZE
         kv_args.engine_rank, kv_args.kv_head_num = SRC_RANK, SRC_HEADS
         kv_args.total_kv_head_num = TOTAL_HEADS

@@ -1,0 +1,184 @@
+"""Refuse a send that would read or write outside a registered buffer, before any byte moves.
+
+sglang computes every descriptor's source address and length from values a
+decode peer sends (its registered item length, its page lists) and never
+checks them against the prefill's own buffers; Mooncake does not check local
+addresses at all, so a hostile or broken registration makes the prefill read
+past its buffers and send those bytes to the peer. The hooks call these
+checks first, on whole columns (NumPy, per buffer, not per descriptor):
+
+- every page index is >= 0 (`check_pages`), on both sides: a negative page
+  lands before its buffer, possibly in another registered one;
+- each token's head slice lies inside its token slot (`check_head_slices`),
+  on both sides: the decode's item length sets the slice offset and length;
+- every source buffer's last read (in its largest page) ends inside the
+  prefill's registered memory (`check_sources`): in the region registered
+  (`kv_args.kv_data_lens`, `kv_args.state_data_lens`) that holds the buffer's
+  base.
+
+The decode's own buffer lengths are not in sglang's registration (pointers and
+item lengths only), so a destination is bounded by its page index (>= 0) and
+its slot; Mooncake itself refuses remote ranges outside the peer's registered
+memory. A violation raises `OutOfRange`; the hook turns it into sglang's
+failed-send status with `refuse`.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from gpu_planner.inputs import INT64_MAX
+
+logger = logging.getLogger(__name__)
+
+_refused_peers: set[str] = set()
+_refused_lock = threading.Lock()
+
+
+class OutOfRange(ValueError):
+    """A send would read or write outside a registered buffer; names the buffer and field."""
+
+
+def refuse(peer: str, error: OutOfRange) -> int:
+    """sglang's failed-send status (-1), logged at ERROR the first time `peer` is refused.
+
+    The caller (sglang's transfer worker) concludes the request as failed and
+    marks the session failed, as for any failed send.
+    """
+    with _refused_lock:
+        first = peer not in _refused_peers
+        _refused_peers.add(peer)
+    if first:
+        logger.error(
+            "gpu_planner: refused a send to peer %s before any byte moved (logged once per "
+            "peer): %s",
+            peer,
+            error,
+        )
+    return -1
+
+
+def check_pages(pages: np.ndarray, field: str) -> int:
+    """The largest page of a 1-D integer array (-1 when empty); `OutOfRange` for a negative one."""
+    if not pages.size:
+        return -1
+    if int(pages.min()) < 0:
+        position = int(np.flatnonzero(pages < 0)[0])
+        raise OutOfRange(f"{field}[{position}] = {int(pages[position])}: a page index below 0")
+    return int(pages.max())
+
+
+def check_head_slices(
+    side: str,
+    offsets: np.ndarray | int,
+    slice_lens: np.ndarray | int,
+    token_lens: np.ndarray | int,
+    field: str,
+) -> None:
+    """Each buffer's head slice `[offset, offset + slice_len)` lies in its `token_len`-byte slot.
+
+    Python ints (any size) or int64 arrays of values in [0, 2**63): no sum is
+    formed, so nothing overflows. `field` names the value that set the slice.
+    """
+    fits = np.atleast_1d(
+        np.asarray(offsets >= 0)
+        & np.asarray(slice_lens >= 0)
+        & np.asarray(offsets <= token_lens)
+        & np.asarray(slice_lens <= token_lens - offsets)
+    )
+    if fits.all():
+        return
+    bad = int(np.flatnonzero(~fits)[0])
+    offset, slice_len, token_len = (
+        np.broadcast_to(np.asarray(value, dtype=object), fits.shape)[bad]
+        for value in (offsets, slice_lens, token_lens)
+    )
+    raise OutOfRange(
+        f"{side} buffer {bad}: {field} gives a head slice of {slice_len} bytes at offset "
+        f"{offset} of a {token_len}-byte token slot"
+    )
+
+
+def check_sources(
+    kv_args: Any,
+    ptrs: Sequence[int],
+    max_page: int,
+    page_lens: Sequence[int] | np.ndarray | int,
+    last_offsets: Sequence[int] | np.ndarray | int,
+    read_lens: Sequence[int] | np.ndarray | int,
+    field: str,
+) -> None:
+    """What each source buffer reads of pages 0..`max_page` lies in the prefill's registered memory.
+
+    Buffer `b`'s last read starts `last_offsets[b]` bytes into page `max_page`
+    (pages of `page_lens[b]` bytes) and is `read_lens[b]` long; it must end in
+    one region registered in `kv_args` (KV and state buffers) that holds
+    `ptrs[b]`. Values are int64 in [0, 2**63) with `last_offsets + read_lens`
+    at most `page_lens` (a page's reads stay in the page: `check_head_slices`).
+    """
+    if max_page < 0 or not len(ptrs):
+        return
+    ptr_array = np.asarray(ptrs, dtype=np.int64)
+    page_lens, last_offsets, read_lens = np.broadcast_arrays(
+        *(np.asarray(values, dtype=np.int64) for values in (page_lens, last_offsets, read_lens)),
+        ptr_array,
+    )[:3]
+    starts, reach = _registered_regions(kv_args)
+    holder = np.searchsorted(starts, ptr_array, side="right") - 1  # >= 0: the sentinel
+    room = reach[holder] - ptr_array  # bytes up to the end of a region holding ptr; < 0: none
+    room_after_last = room - last_offsets - read_lens  # room for max_page * page_len
+    whole_pages = np.where(page_lens > 0, room_after_last // np.maximum(page_lens, 1), INT64_MAX)
+    fits = (read_lens == 0) | ((room_after_last >= 0) & (max_page <= whole_pages))
+    if fits.all():
+        return
+    bad = int(np.flatnonzero(~fits)[0])
+    end = max_page * int(page_lens[bad]) + int(last_offsets[bad]) + int(read_lens[bad])
+    where = (
+        f"{int(room[bad])} registered bytes from it"
+        if room[bad] >= 0
+        else "no registered buffer holds it"
+    )
+    raise OutOfRange(
+        f"source buffer {bad} at {hex(int(ptr_array[bad]))}: page {max_page} of {field} at "
+        f"{int(page_lens[bad])} bytes per page reads up to byte {end}, but {where} "
+        "(kv_args.kv_data_lens / state_data_lens)"
+    )
+
+
+def _registered_regions(kv_args: Any) -> tuple[np.ndarray, np.ndarray]:
+    """(starts, reach) of the prefill's registered KV and state buffers, sorted by start.
+
+    `reach[i]` is the furthest end of the regions starting at or before
+    `starts[i]`: a range from `ptr` is inside one region when the reach of the
+    last start <= `ptr` is at least its end.
+    """
+    ptrs = list(getattr(kv_args, "kv_data_ptrs", None) or [])
+    lens = list(getattr(kv_args, "kv_data_lens", None) or [])
+    for state_ptrs, state_lens in zip(
+        getattr(kv_args, "state_data_ptrs", None) or [],
+        getattr(kv_args, "state_data_lens", None) or [],
+        strict=False,  # sglang's registration zips them the same way
+    ):
+        ptrs += state_ptrs
+        lens += state_lens
+    return _regions(tuple(ptrs), tuple(lens))
+
+
+@functools.lru_cache(maxsize=64)
+def _regions(ptrs: tuple[int, ...], lens: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
+    """Built once per registration (it does not change while the manager lives)."""
+    regions = sorted(
+        (int(ptr), min(int(ptr) + int(length), INT64_MAX))
+        for ptr, length in zip(ptrs, lens, strict=False)  # as sglang registers them
+        if length > 0 and 0 <= ptr <= INT64_MAX
+    )
+    # A sentinel region before every address (reach -1) holds nothing.
+    starts = np.array([-1] + [start for start, _ in regions], dtype=np.int64)
+    reach = np.maximum.accumulate(np.array([-1] + [end for _, end in regions], dtype=np.int64))
+    return starts, reach
