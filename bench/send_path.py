@@ -33,7 +33,7 @@ import numpy as np
 
 from bench.gil import GilMonitor, GilWindow
 from bench.harness import RepeatPolicy, Stage, measure_interleaved
-from bench.inputs import BenchInput
+from bench.inputs import BUFFER_STRIDE, BenchInput
 
 REFUSING_PEER = "127.0.0.1:9"  # the discard port: nothing listens there
 VARIANTS = ("sglang", "hooked")
@@ -76,6 +76,10 @@ class SendPathBench:
 
     def prepare(self, bench_input: BenchInput) -> None:
         self._manager.max_transfer_batch_indices = bench_input.case.batch_pages
+        # The prefill registered every source buffer (the hook refuses reads outside them).
+        kv_args = self._manager.kv_args
+        kv_args.kv_data_ptrs = list(bench_input.src_ptrs)
+        kv_args.kv_data_lens = [BUFFER_STRIDE] * len(bench_input.src_ptrs)
         device_ptrs = {
             ptr
             for ptr, is_device in zip(bench_input.dst_ptrs, bench_input.dst_is_device, strict=True)

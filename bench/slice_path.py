@@ -89,6 +89,7 @@ class SlicePathBench:
         self.dst_item_len = PAGE_SIZE * self.dst_heads * HEAD_DIM * DTYPE_BYTES
         kv_args = manager.kv_args
         kv_args.kv_data_ptrs = [2**40 + buffer * 2**34 for buffer in range(2 * LAYERS)]
+        kv_args.kv_data_lens = [2**34] * (2 * LAYERS)  # registered: the hook reads only these
         kv_args.kv_item_lens = [src_item_len] * (2 * LAYERS)
         kv_args.kv_layer_ids, kv_args.page_size = [], PAGE_SIZE
         kv_args.engine_rank, kv_args.kv_head_num, kv_args.total_kv_head_num = (
