@@ -65,7 +65,7 @@ def host_cuda(monkeypatch):
     from gpu_planner import staging
     from gpu_planner.cuda_runtime import use_cuda_runtime
 
-    pool = staging.PinnedStaging()
+    pool = staging.pinned_pool()
     monkeypatch.setattr(staging, "_staging", pool)
     with use_cuda_runtime(HostCudaRuntime(after_wait=scribble_free_blocks(pool))) as runtime:
         yield runtime

@@ -22,8 +22,8 @@ from collections.abc import Callable, Iterator
 
 import torch
 
+from gpu_planner.block_pool import BlockPool
 from gpu_planner.cuda_runtime import CudaRuntime
-from gpu_planner.staging import PinnedStaging
 
 
 class HostStream:
@@ -154,7 +154,7 @@ class HostCudaRuntime(CudaRuntime):
         return HostStream()
 
 
-def scribble_free_blocks(pool: PinnedStaging) -> Callable[[], None]:
+def scribble_free_blocks(pool: BlockPool) -> Callable[[], None]:
     """Overwrite every free block of `pool` with zeros, as the next copies may.
 
     Zeros read as "no error" in a status word and as page 0, so a result still

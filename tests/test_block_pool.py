@@ -1,7 +1,7 @@
-"""The pinned staging pool: give-back without a lock, a byte cap, least-recently-used eviction.
+"""The block pool: give-back without a lock, a byte cap, least-recently-used eviction.
 
 The pool's bookkeeping is the same for any host memory, so these run on plain
-host blocks; the CUDA copies themselves are checked in tests/cuda/.
+host blocks; pinned staging is checked in test_staging.py and test_cuda_host_path.py.
 """
 
 from __future__ import annotations
@@ -10,13 +10,9 @@ import gc
 import threading
 
 import numpy as np
-import pytest
 import torch
-from conftest import ON_CUDA
 
-from gpu_planner.cuda_streams import torch_device_of
-from gpu_planner.errors import PlanValidationError
-from gpu_planner.staging import MIN_BLOCK_BYTES, Block, PinnedStaging
+from gpu_planner.block_pool import MIN_BLOCK_BYTES, Block, BlockPool
 
 
 class HostMemory:
@@ -43,7 +39,7 @@ class CopyEvent:
         return self.done
 
 
-def _lend(pool: PinnedStaging, nbytes: int, ready=None) -> tuple[Block, np.ndarray]:
+def _lend(pool: BlockPool, nbytes: int, ready=None) -> tuple[Block, np.ndarray]:
     """Take a block as a copy does: the loan's death (its last view's) gives it back."""
     block = pool.take(nbytes)
     return block, pool.lend(block, ready)
@@ -51,7 +47,7 @@ def _lend(pool: PinnedStaging, nbytes: int, ready=None) -> tuple[Block, np.ndarr
 
 def test_give_back_during_a_collection_under_the_pool_lock_does_not_deadlock():
     """A collection while `take` holds the lock runs the give-back: it must not wait on it."""
-    pool = PinnedStaging(allocate=HostMemory().allocate)
+    pool = BlockPool(1 << 30, allocate=HostMemory().allocate)
     _, view = _lend(pool, 100)
     cycle = [view]
     cycle.append(cycle)  # only a garbage collection frees the view
@@ -72,9 +68,7 @@ def test_give_back_during_a_collection_under_the_pool_lock_does_not_deadlock():
 
 def test_retained_bytes_are_capped_and_the_least_recently_used_go_first():
     memory = HostMemory()
-    pool = PinnedStaging(
-        max_retained_bytes=48 << 10, allocate=memory.allocate, release=memory.release
-    )
+    pool = BlockPool(48 << 10, allocate=memory.allocate, release=memory.release)
     huge, view = _lend(pool, 1 << 20)  # one huge plan
     del view
     assert pool.retained_bytes == 0 and memory.released == [huge]  # over the cap alone
@@ -89,7 +83,7 @@ def test_retained_bytes_are_capped_and_the_least_recently_used_go_first():
 
 
 def test_a_block_is_reused_only_after_its_copy_completed():
-    pool = PinnedStaging(allocate=HostMemory().allocate)
+    pool = BlockPool(1 << 30, allocate=HostMemory().allocate)
     copying = CopyEvent()
     block, view = _lend(pool, 100, copying)
     del view  # dropped unread while its copy may still be writing
@@ -98,27 +92,12 @@ def test_a_block_is_reused_only_after_its_copy_completed():
     assert pool.take(100) is block
 
 
-def test_mixed_torch_devices_are_a_clear_error():
-    with pytest.raises(PlanValidationError, match="must share a torch device"):
-        torch_device_of([torch.zeros(1), torch.zeros(1, device="meta")])
-
-
-@pytest.mark.skipif(not ON_CUDA, reason="no CUDA device (the host-memory twins above run)")
-def test_cuda_staging_copies_exactly_and_unpins_evicted_blocks():
-    from gpu_planner.staging import allocate_pinned_block, release_pinned_block
-
-    released = []
-
-    def release(block: Block) -> None:
-        released.append(block.nbytes)
-        release_pinned_block(block)
-
-    pool = PinnedStaging(max_retained_bytes=1 << 16, release=release)
-    source = torch.arange(1 << 16, device="cuda")
-    (host,), copied = pool.copy_to_host_async([source])
-    copied.synchronize()
-    assert torch.equal(host, source.cpu())
-    del host
-    pool.take(1)  # takes the returned block in, over the cap: unpinned
-    assert released == [1 << 19]
-    assert allocate_pinned_block(4096).tensor.is_pinned()
+def test_a_borrowed_block_comes_back_when_its_last_view_is_freed():
+    pool = BlockPool(MIN_BLOCK_BYTES)  # keeps one free block: the last returned
+    borrowed = pool.borrow(96)
+    addresses = borrowed.view(np.int64)[2:5]  # what a running engine call would hold
+    address = borrowed.ctypes.data
+    del borrowed
+    assert pool.borrow(96).ctypes.data != address  # still viewed: not lent again
+    del addresses
+    assert pool.borrow(96).ctypes.data == address

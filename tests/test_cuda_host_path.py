@@ -20,6 +20,7 @@ from cuda_standin import one_kernel_at_a_time
 
 import gpu_planner as gp
 from gpu_planner import reference, staging
+from gpu_planner.block_pool import MIN_BLOCK_BYTES
 from gpu_planner.plan import LaunchedPlan
 from gpu_planner.testing import fragmented_pages
 
@@ -78,9 +79,9 @@ def _batches(plan: gp.TransferPlan) -> list:
 
 def test_host_copies_keep_their_block_lent_through_every_view(cuda_path):
     """A block comes back only when the last tensor, slice or `.numpy()` made from it is freed."""
-    pool = staging.PinnedStaging(max_retained_bytes=staging.MIN_BLOCK_BYTES)  # one free block
+    pool = staging.pinned_pool(max_retained_bytes=MIN_BLOCK_BYTES)  # one free block
     source = torch.arange(64, dtype=torch.int64, device=cuda_path)
-    (host,), copied = pool.copy_to_host_async([source])
+    (host,), copied = staging.copy_into_pool(pool, [source])
     copied.synchronize()
     lent_block_address = host.data_ptr()
     expected = source.cpu().numpy()
@@ -93,14 +94,16 @@ def test_host_copies_keep_their_block_lent_through_every_view(cuda_path):
     del host
     while survivors:
         gc.collect()
-        (other,), other_copied = pool.copy_to_host_async([torch.full((64,), -1, device=cuda_path)])
+        (other,), other_copied = staging.copy_into_pool(
+            pool, [torch.full((64,), -1, device=cuda_path)]
+        )
         other_copied.synchronize()
         assert other.data_ptr() != lent_block_address  # not the block still viewed
         del other
         assert all(np.array_equal(np.asarray(kept), values) for kept, values in survivors)
         survivors.pop(0)
     gc.collect()
-    (again,), again_copied = pool.copy_to_host_async([source])
+    (again,), again_copied = staging.copy_into_pool(pool, [source])
     again_copied.synchronize()
     assert again.data_ptr() == lent_block_address  # the most recently returned: reused
 
@@ -190,8 +193,8 @@ def test_concurrent_plans_from_eight_threads(cuda_path):
 
 
 def test_evicted_blocks_are_unpinned_once(host_cuda):
-    pool = staging.PinnedStaging(max_retained_bytes=0)
-    (host,), copied = pool.copy_to_host_async([torch.arange(10)])
+    pool = staging.pinned_pool(max_retained_bytes=0)
+    (host,), copied = staging.copy_into_pool(pool, [torch.arange(10)])
     copied.synchronize()
     assert len(host_cuda.pinned) == 1
     del host

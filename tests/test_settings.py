@@ -1,0 +1,61 @@
+"""Every knob parses one way, and a bad value names its variable and what it accepts."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from gpu_planner import settings, staging
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("", False),
+        ("1", True),
+        ("TRUE", True),
+        (" yes ", True),
+        ("on", True),
+        ("0", False),
+        ("off", False),
+        ("No", False),
+    ],
+)
+def test_flags(monkeypatch, text, expected):
+    monkeypatch.setenv("GPU_PLANNER_DISABLE", text)
+    assert settings.get(settings.DISABLE) is expected
+
+
+@pytest.mark.parametrize(
+    ("setting", "text"),
+    [
+        (settings.DISABLE, "maybe"),
+        (settings.HANDOFF, "tuples"),
+        (settings.STAGING_RETAINED_BYTES, "-1"),
+        (settings.STAGING_RETAINED_BYTES, "64M"),
+        (settings.LAYOUT_CACHE_SIZE, "0"),
+        (settings.BATCH_TIMEOUT_S, "inf"),
+        (settings.BATCH_TIMEOUT_S, "nan"),
+        (settings.BATCH_TIMEOUT_S, "0"),
+        (settings.BATCH_TIMEOUT_S, "1e10"),
+    ],
+)
+def test_bad_values_name_the_variable(monkeypatch, setting, text):
+    monkeypatch.setenv(setting.name, text)
+    with pytest.raises(
+        settings.SettingError, match=f"{setting.name}=.*expected {re.escape(setting.accepts)}"
+    ):
+        settings.get(setting)
+
+
+def test_values_and_defaults(monkeypatch):
+    assert [settings.get(setting) for setting in settings.SETTINGS] == [
+        setting.default for setting in settings.SETTINGS
+    ]
+    monkeypatch.setenv("GPU_PLANNER_HANDOFF", "Lists")
+    monkeypatch.setenv("GPU_PLANNER_BATCH_TIMEOUT_S", "none")
+    monkeypatch.setenv("GPU_PLANNER_STAGING_RETAINED_BYTES", "0x1000")
+    assert settings.get(settings.HANDOFF) == "lists"
+    assert settings.get(settings.BATCH_TIMEOUT_S) is None
+    assert staging.pinned_pool().max_retained_bytes == 4096
