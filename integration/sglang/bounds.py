@@ -125,10 +125,9 @@ def check_sources(
     if max_page < 0 or not len(ptrs):
         return
     ptr_array = np.asarray(ptrs, dtype=np.int64)
-    page_lens, last_offsets, read_lens = np.broadcast_arrays(
-        *(np.asarray(values, dtype=np.int64) for values in (page_lens, last_offsets, read_lens)),
-        ptr_array,
-    )[:3]
+    page_lens, last_offsets, read_lens = (
+        np.asarray(values, dtype=np.int64) for values in (page_lens, last_offsets, read_lens)
+    )
     starts, reach = _registered_regions(kv_args)
     holder = np.searchsorted(starts, ptr_array, side="right") - 1  # >= 0: the sentinel
     room = reach[holder] - ptr_array  # bytes up to the end of a region holding ptr; < 0: none
@@ -138,7 +137,11 @@ def check_sources(
     if fits.all():
         return
     bad = int(np.flatnonzero(~fits)[0])
-    end = max_page * int(page_lens[bad]) + int(last_offsets[bad]) + int(read_lens[bad])
+    page_len, last_offset, read_len = (
+        int(np.broadcast_to(values, ptr_array.shape)[bad])
+        for values in (page_lens, last_offsets, read_lens)
+    )
+    end = max_page * page_len + last_offset + read_len
     where = (
         f"{int(room[bad])} registered bytes from it"
         if room[bad] >= 0
@@ -146,7 +149,7 @@ def check_sources(
     )
     raise OutOfRange(
         f"source buffer {bad} at {hex(int(ptr_array[bad]))}: page {max_page} of {field} at "
-        f"{int(page_lens[bad])} bytes per page reads up to byte {end}, but {where} "
+        f"{page_len} bytes per page reads up to byte {end}, but {where} "
         "(kv_args.kv_data_lens / state_data_lens)"
     )
 
