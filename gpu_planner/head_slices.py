@@ -43,7 +43,7 @@ _NO_OVERFLOW = -1
 PerLayer = int | Sequence[int] | np.ndarray  # one value for every layer, or one per layer
 
 
-def _per_layer(values: PerLayer, name: str, num_layers: int) -> np.ndarray:
+def per_layer(values: PerLayer, name: str, num_layers: int) -> np.ndarray:
     """`values` as int64 [num_layers], each in [0, 2**63); the error names the layer."""
     if is_integer(values):
         values = [values] * num_layers
@@ -110,7 +110,7 @@ class HeadSliceLayout:
             [
                 np.stack(
                     [
-                        _per_layer(values, f"{side}_{field}", num_layers)
+                        per_layer(values, f"{side}_{field}", num_layers)
                         for field, values in zip(FIELDS, given[side], strict=True)
                     ]
                 )
@@ -118,7 +118,7 @@ class HeadSliceLayout:
             ]
         ).reshape(2, len(FIELDS), num_layers)
         return cls(
-            geometry, _per_layer(slice_lens, "slice_lens", num_layers), check_page_size(page_size)
+            geometry, per_layer(slice_lens, "slice_lens", num_layers), check_page_size(page_size)
         )
 
     @property
