@@ -34,6 +34,7 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from gpu_planner.cuda_streams import on_torch_device
 from gpu_planner.errors import PlanValidationError
 from gpu_planner.head_slices import HeadSliceLayout, PerLayer, per_layer
 from gpu_planner.inputs import (
@@ -115,7 +116,11 @@ def gather_head_slices(
             its address (one int for all, or one per entry).
         backend: None picks the Triton kernel for CUDA staging and the
             compiled CPU loop for host staging; "triton" on the host needs
-            TRITON_INTERPRET=1. The kernel runs on the current stream.
+            TRITON_INTERPRET=1. The kernel runs on the current stream of
+            the staging's device; host page lists (sglang's) and the copy
+            table go up through pinned memory without a host wait, a device
+            page tensor is checked with one read-back (its smallest and
+            largest page).
 
     Raises:
         PlanValidationError: naming the argument, layer or page at fault,
@@ -160,8 +165,8 @@ def gather_head_slices(
 
     if not isinstance(staging, torch.Tensor):
         staging = torch.from_numpy(staging)
-    page_tensor = as_tensor(pages).to(staging.device)
-    launch_gather_head_slices(staging, page_tensor, entries, layout.page_size)
+    with on_torch_device(staging.device):
+        launch_gather_head_slices(staging, as_tensor(pages), entries, layout.page_size)
 
 
 def gathered_descriptors(

@@ -92,7 +92,7 @@ def launch_gather_head_slices(
 
     Args:
         staging: 1-D contiguous uint8 tensor on the KV's device.
-        src_pages: int32/int64 [pages] on `staging`'s device.
+        src_pages: int32/int64 [pages], on `staging`'s device or in host memory.
         entries: int64 [entries, 7] in bytes: src_base (absolute address of
             the head slice of slot 0 of page 0), src_page_len, src_token_len,
             dst_base (its offset in `staging`), dst_page_len, dst_token_len,
@@ -114,8 +114,8 @@ def launch_gather_head_slices(
     grid = (triton.cdiv(num_tokens, block_tokens) * lane_blocks, len(entries))
     _gather_head_slices_kernel[grid](
         staging,
-        src_pages.contiguous(),
-        torch.from_numpy(lanes).to(staging.device),
+        _on_device(src_pages.contiguous(), staging.device),
+        _on_device(torch.from_numpy(lanes), staging.device),
         num_tokens,
         page_size,
         lane_blocks,
@@ -125,3 +125,12 @@ def launch_gather_head_slices(
         BLOCK_LANES=block_lanes,
         num_warps=GATHER.num_warps,
     )
+
+
+def _on_device(values: torch.Tensor, torch_device: torch.device) -> torch.Tensor:
+    """`values` on `torch_device`; host values go through pinned memory, with no host wait."""
+    if values.device == torch_device or torch_device.type != "cuda":
+        return values
+    if values.device.type == "cuda":
+        return values.to(torch_device)
+    return values.pin_memory().to(torch_device, non_blocking=True)

@@ -87,6 +87,10 @@ if "$python" -c "import sglang.srt.disaggregation.mooncake.conn" >/dev/null 2>&1
   check lifetimes_sglang_pages 120 "${cuda[@]}" "${pytest[@]}" \
     tests/integration/sglang/test_pages_hook.py
 fi
+# The head-slice gather on CUDA, and its bandwidth against a device copy (exit 1 below 0.7).
+check head_gather_cuda 120 "${cuda[@]}" "${pytest[@]}" tests/test_head_gather.py
+check head_gather_bandwidth 120 "${cuda[@]}" "$python" -m bench.head_gather
+tail -n 1 "$out/head_gather_bandwidth.log"
 # The benchmark's target point: CUDA-event times, the sync-debug check, NVTX ranges.
 check bench_target 150 "${cuda[@]}" "$python" -m bench.run --target --reference loop \
   --out "$out"

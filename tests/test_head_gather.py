@@ -289,7 +289,7 @@ class FakeMemory:
 @given(data=st.data(), geometry=sglang_geometries())
 def test_gathered_send_lands_what_sglangs_per_token_send_lands(backend_device, data, geometry):
     """Prefill TP <= decode TP: same decode bytes, one descriptor per entry per dst run."""
-    backend, _ = backend_device
+    backend, device = backend_device
     layers = geometry.num_entries // 2
     first = data.draw(st.integers(0, layers - 1))
     chunk = [first, layers + first] if data.draw(st.booleans()) else list(range(2 * layers))
@@ -312,7 +312,9 @@ def test_gathered_send_lands_what_sglangs_per_token_send_lands(backend_device, d
         if gathered:
             staging_address = FAKE_STAGING  # the gathered bytes, at a made-up address
             memory.add(staging_address, after[region])
-            columns = gathered_descriptors(layout, dst_pages, staging_address, backend=backend)
+            on_device = torch.from_numpy(dst_pages).to(device)  # the kernels on CUDA
+            dst_input = on_device if device.type == "cuda" else dst_pages
+            columns = gathered_descriptors(layout, dst_input, staging_address, backend=backend)
             assert columns.dtype == np.int64 and columns.shape[0] == 3
             memory.apply(*columns)
             dst_runs = len(group_runs(range(num_pages), dst_pages.tolist()))
