@@ -5,6 +5,8 @@ from __future__ import annotations
 import logging
 import threading
 
+from gpu_planner.integration.sglang.counters import record_fallback
+
 logger = logging.getLogger("gpu_planner.integration.sglang.plugin")
 
 _logged_keys: set[str] = set()
@@ -12,8 +14,9 @@ _logged_lock = threading.Lock()
 
 
 def log_fallback_once(reason: str, key: str | None = None) -> None:
-    """Log `reason` at INFO the first time its `key` (default: the reason) is seen."""
+    """Count every fallback by `key` (default: the reason); log `reason` at INFO the first time."""
     key = reason if key is None else key
+    record_fallback(key)
     with _logged_lock:
         if key in _logged_keys:
             return

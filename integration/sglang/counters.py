@@ -1,0 +1,149 @@
+"""What the sglang plugin did, counted per process: sends, fallbacks, descriptors, bytes, plan time.
+
+The hooks call `record_send` once per hooked send and the fallback logger
+calls `record_fallback` every time a call goes back to sglang's own code.
+`snapshot()` returns the counts of this process (a test or a debugger reads
+them in the process that sent). Each send is also logged at DEBUG, one line.
+
+sglang runs its scheduler, and so the sends, in separate processes. With
+`--enable-metrics`, sglang's launcher sets `PROMETHEUS_MULTIPROC_DIR` before it
+starts them and serves every process's `prometheus_client` metrics from that
+folder on `/metrics`. When that variable is set the counts are also kept as
+`prometheus_client` metrics named `gpu_planner:*`, so they appear beside
+sglang's own `sglang:*` series:
+
+- `gpu_planner:sends_total{hook, handoff}`: hooked sends by hook (`generic`,
+  `slice`) and Mooncake hand-off (`arrays`, `lists`);
+- `gpu_planner:fallbacks_total{reason}`: calls handed back to sglang's code;
+- `gpu_planner:descriptors_total`, `gpu_planner:bytes_total`: what the sends
+  handed to Mooncake;
+- `gpu_planner:plan_seconds_total`: time spent planning (before the first
+  engine call);
+- `gpu_planner:batch_cuts_total`: batch cuts (`max_transfer_batch_indices`), one
+  fewer than the batches of each send;
+- `gpu_planner:runs_per_buffer` (histogram): descriptors per buffer of each
+  generic send, that is its contiguous runs per KV buffer (1 when both page
+  lists are contiguous).
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import threading
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+RUNS_PER_BUFFER_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 1024, 4096)
+
+_lock = threading.Lock()
+_sends: collections.Counter[tuple[str, str]] = collections.Counter()
+_fallbacks: collections.Counter[str] = collections.Counter()
+_totals: collections.Counter[str] = collections.Counter()
+_max_runs_per_buffer = 0
+_prometheus: dict[str, Any] | None = None
+
+
+def record_send(
+    hook: str,
+    handoff: str,
+    descriptors: int,
+    nbytes: int,
+    plan_seconds: float,
+    buffers: int,
+    batches: int = 1,
+) -> None:
+    """Count one hooked send: `descriptors` over `buffers` KV buffers, in `batches` batches."""
+    global _max_runs_per_buffer
+    runs_per_buffer = -(-descriptors // buffers) if buffers else 0
+    with _lock:
+        _sends[hook, handoff] += 1
+        _totals["descriptors"] += descriptors
+        _totals["bytes"] += nbytes
+        _totals["plan_seconds"] += plan_seconds
+        _totals["batch_cuts"] += max(batches - 1, 0)
+        _max_runs_per_buffer = max(_max_runs_per_buffer, runs_per_buffer)
+    logger.debug(
+        "gpu_planner: %s send, %d descriptors (%d runs per buffer, %d buffers, %d batches), "
+        "%d bytes, planned in %.3f ms, %s hand-off",
+        hook,
+        descriptors,
+        runs_per_buffer,
+        buffers,
+        batches,
+        nbytes,
+        plan_seconds * 1e3,
+        handoff,
+    )
+    metrics = _prometheus_metrics()
+    if metrics is not None:
+        metrics["sends"].labels(hook=hook, handoff=handoff).inc()
+        metrics["descriptors"].inc(descriptors)
+        metrics["bytes"].inc(nbytes)
+        metrics["plan_seconds"].inc(plan_seconds)
+        metrics["batch_cuts"].inc(max(batches - 1, 0))
+        if hook == "generic":
+            metrics["runs_per_buffer"].observe(runs_per_buffer)
+
+
+def record_fallback(reason: str) -> None:
+    """Count one call handed back to sglang's own code, by `reason` (the fallback log's key)."""
+    with _lock:
+        _fallbacks[reason] += 1
+    metrics = _prometheus_metrics()
+    if metrics is not None:
+        metrics["fallbacks"].labels(reason=reason).inc()
+
+
+def snapshot() -> dict[str, Any]:
+    """This process's counts: a new dict of plain values, safe to keep and compare."""
+    with _lock:
+        return {
+            "sends": {f"{hook}/{handoff}": count for (hook, handoff), count in _sends.items()},
+            "fallbacks": dict(_fallbacks),
+            "descriptors": _totals["descriptors"],
+            "bytes": _totals["bytes"],
+            "plan_seconds": _totals["plan_seconds"],
+            "batch_cuts": _totals["batch_cuts"],
+            "max_runs_per_buffer": _max_runs_per_buffer,
+        }
+
+
+def _prometheus_metrics() -> dict[str, Any] | None:
+    """The `gpu_planner:*` metrics when sglang exports them (PROMETHEUS_MULTIPROC_DIR), else None.
+
+    Created on first use, in the process that sends: prometheus_client reads
+    the variable when it is first imported, and sglang sets it before it starts
+    its scheduler processes.
+    """
+    global _prometheus
+    if _prometheus is not None or "PROMETHEUS_MULTIPROC_DIR" not in os.environ:
+        return _prometheus
+    with _lock:
+        if _prometheus is None:
+            from prometheus_client import Counter, Histogram
+
+            _prometheus = {
+                "sends": Counter(
+                    "gpu_planner:sends", "Sends planned by gpu_planner", ["hook", "handoff"]
+                ),
+                "fallbacks": Counter(
+                    "gpu_planner:fallbacks", "Calls handed back to sglang's code", ["reason"]
+                ),
+                "descriptors": Counter("gpu_planner:descriptors", "Descriptors handed to Mooncake"),
+                "bytes": Counter(
+                    "gpu_planner:bytes", "Bytes of the descriptors handed to Mooncake"
+                ),
+                "plan_seconds": Counter("gpu_planner:plan_seconds", "Time spent planning sends"),
+                "batch_cuts": Counter(
+                    "gpu_planner:batch_cuts", "Batch cuts (max_transfer_batch_indices) in sends"
+                ),
+                "runs_per_buffer": Histogram(
+                    "gpu_planner:runs_per_buffer",
+                    "Contiguous runs per KV buffer of each generic send",
+                    buckets=RUNS_PER_BUFFER_BUCKETS,
+                ),
+            }
+    return _prometheus
