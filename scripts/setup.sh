@@ -66,6 +66,12 @@ case "$mode" in
     pip_install -r requirements/sglang-light.txt
     pip_install -e ".[test,$mooncake_extra,bench]" "$mooncake_dist==0.3.14"
     pip_install --no-deps "sglang==0.5.23"
+    # Real sglang servers and the smg router (tests/e2e, bench.deployment).
+    pip_install -r requirements/sglang-server.txt
+    # Mooncake 0.3.13 (list API) beside 0.3.14, in its own folder: e2e servers that
+    # put it first on PYTHONPATH import it instead (the list hand-off scenario).
+    [ -f .venv/mooncake-0.3.13/mooncake/engine.so ] \
+      || pip_install --no-deps --target .venv/mooncake-0.3.13 "mooncake-transfer-engine-non-cuda==0.3.13.post1"
     ;;
   *) echo "usage: scripts/setup.sh demo|test" >&2; exit 2 ;;
 esac

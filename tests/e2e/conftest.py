@@ -1,0 +1,53 @@
+"""Fixtures of the e2e suite: the tiny model, the server log folder, the plain-server reference.
+
+The suite starts real sglang servers (see `e2e_servers`); each test module
+holds one deployment for its tests and stops it at the module's end, so at
+most one deployment runs at a time. A failing test's report names the folder
+that keeps every server's log.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.e2e.e2e_client import generate, generate_all
+from tests.e2e.e2e_model import write_tiny_llama
+from tests.e2e.e2e_scenarios import ALL_PROMPTS, CONCURRENCY
+from tests.e2e.e2e_servers import servers_running, sglang_spec
+
+LOG_DIR_KEY = pytest.StashKey[Path]()
+
+
+@pytest.fixture(scope="session")
+def server_logs(request, tmp_path_factory) -> Path:
+    """The folder of every server's log (kept after the run)."""
+    folder = tmp_path_factory.mktemp("e2e-server-logs")
+    request.config.stash[LOG_DIR_KEY] = folder
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> Path:
+    return write_tiny_llama(tmp_path_factory.mktemp("tiny-llama"), seed=0)
+
+
+@pytest.fixture(scope="session")
+def reference_tokens(tiny_model, server_logs) -> dict[tuple[int, ...], tuple[int, ...]]:
+    """Greedy tokens of every e2e prompt from a plain (not disaggregated) sglang server."""
+    spec = sglang_spec("plain", tiny_model, 16, "plain", "--max-total-tokens", "4096")
+    with servers_running([spec], server_logs) as servers:
+        url = servers["plain"].url
+        generations = generate_all(lambda ids: generate(url, ids), ALL_PROMPTS, CONCURRENCY)
+    return {tuple(p): g.output_ids for p, g in zip(ALL_PROMPTS, generations, strict=True)}
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    """Name the server log folder in the report of a failing e2e test."""
+    report = yield
+    folder = item.config.stash.get(LOG_DIR_KEY, None)
+    if report.failed and folder is not None:
+        report.sections.append(("e2e server logs", str(folder)))
+    return report

@@ -1,0 +1,54 @@
+"""Assertions the e2e scenarios share: token identity and what the plugin's metrics must show."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+from tests.e2e.e2e_client import Generation, server_metrics
+
+
+def assert_same_tokens(
+    name: str,
+    prompts: Sequence[Sequence[int]],
+    generations: Sequence[Generation],
+    reference: dict[tuple[int, ...], tuple[int, ...]],
+) -> None:
+    """Every prompt's greedy tokens equal the plain server's; the message lists the differences."""
+    differ = [
+        (len(prompt), generation.output_ids, reference[tuple(prompt)])
+        for prompt, generation in zip(prompts, generations, strict=True)
+        if generation.output_ids != reference[tuple(prompt)]
+    ]
+    assert not differ, f"{name}: {len(differ)} prompts differ (length, got, plain): {differ}"
+
+
+def runs_histogram(metrics: dict[str, float]) -> dict[str, float]:
+    """Sends per `runs_per_buffer` bucket: {'<=1': n, '<=2': n, ..., '+Inf': n}, not cumulative."""
+    prefix = "gpu_planner:runs_per_buffer_bucket{le="
+    buckets = sorted(
+        (
+            (float(key[len(prefix) : -1]), value)
+            for key, value in metrics.items()
+            if key.startswith(prefix)
+        ),
+    )
+    histogram, below = {}, 0.0
+    for bound, cumulative in buckets:
+        histogram[f"<={bound:g}"] = cumulative - below
+        below = cumulative
+    return histogram
+
+
+def plugin_metrics(url: str, handoff: str, record: Path) -> dict[str, float]:
+    """The plugin's metrics from `url`'s /metrics, written to `record` (JSON), after checks that
+    hold for every scenario: generic sends on `handoff` only, descriptors and bytes, no fallback."""
+    metrics = server_metrics(url)
+    record.write_text(json.dumps({**metrics, "runs_histogram": runs_histogram(metrics)}, indent=1))
+    sends = [key for key in metrics if key.startswith("gpu_planner:sends_total")]
+    assert sends == [f"gpu_planner:sends_total{{handoff={handoff},hook=generic}}"], sends
+    assert metrics["gpu_planner:descriptors_total"] > 0
+    assert metrics["gpu_planner:bytes_total"] > 0
+    assert not [key for key in metrics if key.startswith("gpu_planner:fallbacks_total")], metrics
+    return metrics

@@ -1,0 +1,39 @@
+"""A tiny random Llama, written at test time from a fixed seed: no download.
+
+Two layers, grouped-query attention (4 query heads, 2 KV heads of 16 dims), a
+512-token vocabulary, bfloat16 safetensors. The servers run with
+`--skip-tokenizer-init` and take token ids, so no tokenizer is written. The
+weights are drawn wider than Hugging Face's default (std 0.5, not 0.02) so the
+greedy next token has a clear margin and a wrong KV page changes it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+VOCAB_SIZE = 512
+MAX_POSITIONS = 4096
+
+
+def write_tiny_llama(folder: Path, seed: int = 0) -> Path:
+    """Write the model to `folder` (config.json + model.safetensors) and return it."""
+    config = LlamaConfig(
+        vocab_size=VOCAB_SIZE,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=MAX_POSITIONS,
+        initializer_range=0.5,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config).to(torch.bfloat16)
+    model.save_pretrained(folder, safe_serialization=True)
+    return folder

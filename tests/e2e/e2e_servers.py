@@ -1,0 +1,215 @@
+"""Real sglang 0.5.23 servers on this CPU machine: prefill, decode, plain, and the `smg` router.
+
+Every server is started in its own process group (`start_new_session`) with
+its output in a log file, and stopped by signalling the whole group (SIGTERM,
+then SIGKILL after a grace period): sglang's scheduler and detokenizer
+processes go with it. `servers_running` stops every server it started, also
+when start-up or a test fails, and keeps the logs.
+
+sglang's CPU path needs test scaffolding (`scaffolding/`, put on the servers'
+PYTHONPATH; nothing is installed): a stand-in `sgl_kernel` and a test-only
+sglang plugin. The flags below are what sglang 0.5.23 needs on a CPU machine:
+`SGLANG_USE_CPU_ENGINE=1` with the torch-native attention backend, no CUDA
+graphs, no overlap scheduler (a prefix-cache hit under it records a CUDA
+event), and on decode no retraction backup (it calls `torch.cuda.cudart()`).
+The model runs without a tokenizer (`--skip-tokenizer-init`): requests carry
+token ids.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import requests
+
+LOCALHOST = "127.0.0.1"
+SCAFFOLDING = Path(__file__).resolve().parent / "scaffolding"
+START_TIMEOUT_S = 240.0  # start-up takes 30-75 s alone; several servers share 2 cores
+STOP_GRACE_S = 20.0
+
+CPU_FLAGS = (
+    "--device", "cpu",
+    "--attention-backend", "torch_native",
+    "--disable-cuda-graph",
+    "--disable-overlap-schedule",
+    "--dtype", "bfloat16",
+    "--skip-tokenizer-init",
+    "--enable-metrics",
+)  # fmt: skip
+PD_FLAGS = ("--disaggregation-transfer-backend", "mooncake_tcp")
+DECODE_FLAGS = (
+    "--disaggregation-mode",
+    "decode",
+    "--disaggregation-decode-retraction-backup",
+    "none",
+)
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now."""
+    with socket.socket() as probe:
+        probe.bind((LOCALHOST, 0))
+        return probe.getsockname()[1]
+
+
+@dataclasses.dataclass
+class Server:
+    """One started server: its process group, its URL and its log file."""
+
+    name: str
+    url: str
+    process: subprocess.Popen
+    log_path: Path
+    bootstrap_port: int | None = None  # prefill servers: the disaggregation bootstrap port
+    ready_path: str = "/health"
+
+    def log_tail(self, lines: int = 40) -> str:
+        text = self.log_path.read_text(errors="replace").splitlines()
+        return "\n".join(text[-lines:])
+
+    def stop(self) -> None:
+        """SIGTERM the process group, wait for all of it, SIGKILL what is left after the grace."""
+        group = self.process.pid
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(group, signal.SIGTERM)
+        deadline = time.monotonic() + STOP_GRACE_S
+        while _group_alive(group, self.process) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(group, signal.SIGKILL)
+        self.process.wait()
+
+
+def _group_alive(group: int, leader: subprocess.Popen) -> bool:
+    """True while any process of `group` exists (the leader reaped first, as our child)."""
+    leader.poll()
+    try:
+        os.killpg(group, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerSpec:
+    """What to start: sglang's arguments beyond the CPU flags, and extra environment."""
+
+    name: str
+    args: tuple[str, ...]
+    env: tuple[tuple[str, str], ...] = ()
+    command: tuple[str, ...] = (sys.executable, "-m", "sglang.launch_server")
+    bootstrap_port: int | None = None
+    python_path: tuple[str, ...] = ()  # folders ahead of the scaffolding on PYTHONPATH
+    ready_path: str = "/health"  # answers 200 once the server takes requests
+
+
+def sglang_spec(
+    name: str,
+    model: Path,
+    page_size: int,
+    role: str,
+    *extra: str,
+    env: dict[str, str] | None = None,
+    bootstrap_port: int | None = None,
+    python_path: tuple[str, ...] = (),
+) -> ServerSpec:
+    """A `plain`, `prefill` or `decode` sglang server of `model` with CPU flags and `extra`."""
+    args = ("--model-path", str(model), "--page-size", str(page_size), *CPU_FLAGS)
+    if role == "prefill":
+        args += (*PD_FLAGS, "--disaggregation-mode", "prefill")
+        args += ("--disaggregation-bootstrap-port", str(bootstrap_port))
+    elif role == "decode":
+        args += (*PD_FLAGS, *DECODE_FLAGS)
+    elif role != "plain":
+        raise ValueError(f"unknown role {role!r}")
+    env_items = tuple((env or {}).items())
+    return ServerSpec(
+        name, args + extra, env_items, bootstrap_port=bootstrap_port, python_path=python_path
+    )
+
+
+def router_spec(prefills: Sequence[Server], decode: Server) -> ServerSpec:
+    """The `smg` PD router in front of `prefills` and `decode`."""
+    args = ["launch", "--pd-disaggregation", "--policy", "round_robin"]
+    for prefill in prefills:
+        args += ["--prefill", prefill.url, str(prefill.bootstrap_port)]
+    args += ["--decode", decode.url, "--log-level", "info"]
+    smg = Path(sys.executable).with_name("smg")
+    # The router's /health answers before it has registered its workers; /readiness after.
+    return ServerSpec("router", tuple(args), command=(str(smg),), ready_path="/readiness")
+
+
+def server_env(spec: ServerSpec) -> dict[str, str]:
+    """A server's environment: this one, the scaffolding on PYTHONPATH, sglang's CPU engine."""
+    env = dict(os.environ)
+    env.pop("TRITON_INTERPRET", None)  # the test process's interpreter switch, not a user's
+    path = [*spec.python_path, str(SCAFFOLDING), env.get("PYTHONPATH", "")]
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, path))
+    env["SGLANG_USE_CPU_ENGINE"] = "1"
+    env["SGLANG_HOST_IP"] = LOCALHOST
+    env.update(spec.env)
+    return env
+
+
+def start(spec: ServerSpec, log_dir: Path) -> Server:
+    """Start `spec` on a free port in a new process group, logging to `log_dir/<name>.log`."""
+    port = free_port()
+    log_path = log_dir / f"{spec.name}.log"
+    command = [*spec.command, *spec.args, "--host", LOCALHOST, "--port", str(port)]
+    with log_path.open("w") as log:
+        log.write(" ".join(command) + "\n")
+        log.flush()
+        process = subprocess.Popen(
+            command,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=server_env(spec),
+            start_new_session=True,
+        )
+    url = f"http://{LOCALHOST}:{port}"
+    return Server(spec.name, url, process, log_path, spec.bootstrap_port, spec.ready_path)
+
+
+def wait_ready(servers: Sequence[Server]) -> None:
+    """Wait until every server answers its ready path with 200; raise with its log if it dies."""
+    deadline = time.monotonic() + START_TIMEOUT_S
+    waiting = {server.name: server for server in servers}
+    while waiting:
+        for name, server in list(waiting.items()):
+            if server.process.poll() is not None:
+                raise RuntimeError(
+                    f"{name} exited with {server.process.returncode} during start-up; "
+                    f"log {server.log_path}:\n{server.log_tail()}"
+                )
+            with contextlib.suppress(requests.RequestException):
+                if requests.get(server.url + server.ready_path, timeout=5).status_code == 200:
+                    del waiting[name]
+        if waiting and time.monotonic() > deadline:
+            raise TimeoutError(
+                f"{', '.join(waiting)} not ready after {START_TIMEOUT_S:.0f} s; "
+                f"logs in {servers[0].log_path.parent}"
+            )
+        time.sleep(1.0)
+
+
+@contextlib.contextmanager
+def servers_running(specs: Sequence[ServerSpec], log_dir: Path) -> Iterator[dict[str, Server]]:
+    """Start `specs` together, wait until all are ready, yield them by name; always stop them."""
+    started: list[Server] = []
+    try:
+        for spec in specs:
+            started.append(start(spec, log_dir))
+        wait_ready(started)
+        yield {server.name: server for server in started}
+    finally:
+        for server in reversed(started):
+            server.stop()

@@ -1,0 +1,60 @@
+"""TEST SCAFFOLDING, not product code: a test-only sglang plugin for the e2e servers.
+
+Found by sglang's `load_plugins()` through the entry point in the
+`e2e_sglang_scaffolding-0.dist-info` folder next to it (the e2e servers put
+this folder on PYTHONPATH; nothing is installed). It does two things:
+
+- Without CUDA, sglang 0.5.23's prefill allocates pinned memory and records a
+  `torch.cuda.Event` for every send whose sender has
+  `supports_host_tensor_indices` (`MooncakeKVSender` has). Setting it to False
+  makes sglang take its CPU `kv_to_page_indices` path instead.
+- The corruption control: when `E2E_CORRUPT_FLAG` names a file, an AROUND hook
+  on `MooncakeKVManager.send_kvcache` (upstream of every planner) leaves the
+  last page out of the next send with two or more pages after that file
+  appears, and deletes the file: exactly one transfer skips one page's KV and
+  reports success, and decode attends to whatever that page held. The e2e
+  suite asserts that this changes the tokens. (Moving pages instead, such as
+  reversing the decode page list, would not: attention over a request's KV is
+  the same in any slot order, since keys carry their positions from RoPE.)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+
+CORRUPT_FLAG_ENV = "E2E_CORRUPT_FLAG"
+SEND_KVCACHE = "sglang.srt.disaggregation.mooncake.conn.MooncakeKVManager.send_kvcache"
+
+logger = logging.getLogger(__name__)
+
+
+def register() -> None:
+    """The `sglang.srt.plugins` entry point: patch what sglang's CPU path needs, arm the control."""
+    import torch
+    from sglang.srt.disaggregation.mooncake import conn
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    if not torch.cuda.is_available():
+        conn.MooncakeKVSender.supports_host_tensor_indices = False
+    if os.environ.get(CORRUPT_FLAG_ENV):
+        HookRegistry.register(SEND_KVCACHE, corrupt_one_send, HookType.AROUND)
+
+
+def corrupt_one_send(original, manager, session, src_pages, dst_ptrs, dst_pages, *args, **kwargs):
+    """Leave out the last page of one send with two or more pages once the flag file exists."""
+    if len(dst_pages) >= 2 and _claim_flag(os.environ[CORRUPT_FLAG_ENV]):
+        logger.warning(
+            "e2e scaffolding: corrupting one send (last of %d pages left out)", len(dst_pages)
+        )
+        src_pages, dst_pages = src_pages[:-1], dst_pages[:-1]
+    return original(manager, session, src_pages, dst_ptrs, dst_pages, *args, **kwargs)
+
+
+def _claim_flag(path: str) -> bool:
+    """Delete the flag file; True for the one caller that deleted it."""
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+        return True
+    return False

@@ -1,0 +1,121 @@
+"""Page size 16, Mooncake 0.3.14 (arrays hand-off): the plugin against sglang's own planning.
+
+One decode server and two prefill servers that send to it: one with the plugin,
+one with `GPU_PLANNER_DISABLE=1` (sglang's own code). The same mixed prompts go
+through each; the greedy tokens must equal a plain server's. A small KV pool,
+chunked prefill and `SGLANG_MOONCAKE_MAX_TRANSFER_BATCH_INDICES=4` make sends
+with fragmented page lists, several transfers per long request and batch cuts,
+which the plugin's metrics must show. The corruption control (test
+scaffolding) leaves one page out of one send and the tokens must change.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from tests.e2e.e2e_checks import assert_same_tokens, plugin_metrics, runs_histogram
+from tests.e2e.e2e_client import Generation, generate_all, generate_pd, server_metrics
+from tests.e2e.e2e_scenarios import (
+    CONCURRENCY,
+    CONTROL_PROMPT,
+    MIXED_PROMPTS,
+    decode_spec,
+    prefill_spec,
+)
+from tests.e2e.e2e_servers import Server, servers_running
+from tests.e2e.scaffolding.e2e_sglang_scaffolding import CORRUPT_FLAG_ENV
+
+pytestmark = pytest.mark.e2e
+
+PAGE_SIZE = 16
+BATCH_PAGES = 4
+
+
+@dataclasses.dataclass
+class Deployment:
+    decode: Server
+    prefill: Server  # the plugin
+    prefill_disabled: Server  # GPU_PLANNER_DISABLE=1
+    corrupt_flag: Path  # create it to corrupt the plugin prefill's next send
+    logs: Path
+
+    def send(self, prefill: Server, prompts) -> list[Generation]:
+        def one(ids):
+            return generate_pd(prefill.url, prefill.bootstrap_port, self.decode.url, ids)
+
+        return generate_all(one, prompts, CONCURRENCY)
+
+
+@pytest.fixture(scope="module")
+def deployment(tiny_model, server_logs, tmp_path_factory):
+    flag = tmp_path_factory.mktemp("control") / "corrupt-next-send"
+    specs = [
+        decode_spec("p16-decode", tiny_model, PAGE_SIZE, BATCH_PAGES),
+        prefill_spec(
+            "p16-prefill", tiny_model, PAGE_SIZE, BATCH_PAGES, {CORRUPT_FLAG_ENV: str(flag)}
+        ),
+        prefill_spec(
+            "p16-prefill-disabled", tiny_model, PAGE_SIZE, BATCH_PAGES, {"GPU_PLANNER_DISABLE": "1"}
+        ),
+    ]
+    with servers_running(specs, server_logs) as servers:
+        yield Deployment(
+            servers["p16-decode"],
+            servers["p16-prefill"],
+            servers["p16-prefill-disabled"],
+            flag,
+            server_logs,
+        )
+
+
+@pytest.fixture(scope="module")
+def generations(deployment) -> dict[str, list[Generation]]:
+    """The mixed prompts through the plugin's prefill, then through sglang's own."""
+    return {
+        "plugin": deployment.send(deployment.prefill, MIXED_PROMPTS),
+        "disabled": deployment.send(deployment.prefill_disabled, MIXED_PROMPTS),
+    }
+
+
+def test_tokens_equal_with_plugin_without_it_and_on_a_plain_server(generations, reference_tokens):
+    assert_same_tokens("plugin", MIXED_PROMPTS, generations["plugin"], reference_tokens)
+    assert_same_tokens("disabled", MIXED_PROMPTS, generations["disabled"], reference_tokens)
+
+
+def test_plugin_planned_fragmented_chunked_batched_sends(deployment, generations):
+    metrics = plugin_metrics(deployment.prefill.url, "arrays", deployment.logs / "p16-metrics.json")
+    sends = metrics["gpu_planner:sends_total{handoff=arrays,hook=generic}"]
+    assert sends > len(MIXED_PROMPTS), "chunked prefill: long prompts need several transfers"
+    histogram = runs_histogram(metrics)
+    many_runs = sum(
+        count for bucket, count in histogram.items() if bucket not in ("<=1", "<=2", "<=4")
+    )
+    assert many_runs > 0, f"no send had more than 4 runs per buffer: {histogram}"
+    assert metrics["gpu_planner:batch_cuts_total"] > 0
+    # sglang's own metrics are served beside the plugin's.
+    assert server_metrics(deployment.prefill.url, "sglang:")
+
+
+def test_disabled_prefill_planned_nothing(deployment, generations):
+    assert server_metrics(deployment.prefill_disabled.url) == {}
+
+
+def test_prefix_cache_hits(generations):
+    cached = [g.prefill_meta["cached_tokens"] for g in generations["plugin"]]
+    assert sum(cached) > 0, cached
+
+
+def test_corrupted_transfer_changes_the_tokens(deployment, reference_tokens):
+    """The control: one page of one send left out, other tokens; the next send is right again."""
+    expected = reference_tokens[tuple(CONTROL_PROMPT)]
+    deployment.corrupt_flag.touch()
+    [corrupted] = deployment.send(deployment.prefill, [CONTROL_PROMPT])
+    assert not deployment.corrupt_flag.exists(), "the scaffolding did not take the flag"
+    # The prefill computes the first token; decode reads the transferred KV from the second on.
+    assert corrupted.output_ids[0] == expected[0]
+    assert corrupted.output_ids[1:] != expected[1:]
+    [clean] = deployment.send(deployment.prefill, [CONTROL_PROMPT])
+    assert clean.output_ids == expected
