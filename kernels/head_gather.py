@@ -37,15 +37,15 @@ _LANES = {8: tl.int64, 4: tl.int32, 2: tl.int16, 1: tl.uint8}  # lane bytes -> l
 _VECTOR_BYTES = 16  # the widest global load/store on NVIDIA GPUs
 
 
-@triton.jit(do_not_specialize=["num_tokens", "page_size", "lane_blocks"])
+@triton.jit(do_not_specialize=["num_tokens", "lane_blocks"])
 def _gather_head_slices_kernel(
     staging_ptr,  # uint8: the staging region; every address is a lane offset from it
     src_pages_ptr,  # int32/int64 [pages]: the source page of each staged page
     entries_ptr,  # int64 [entries, 7], in lanes: src_base (from staging_ptr), src_page_len,
     # src_token_len, dst_base (from staging_ptr), dst_page_len, dst_token_len, slice_len
-    num_tokens: tl.int64,  # pages * page_size
-    page_size: tl.int64,
+    num_tokens: tl.int64,  # pages * PAGE_SIZE
     lane_blocks: tl.int64,  # lane blocks of the widest slice
+    PAGE_SIZE: tl.constexpr,  # a server has one: `//` and `%` by it compile to shifts
     LANE: tl.constexpr,  # the copy unit: int64, int32, int16 or uint8
     VECTOR: tl.constexpr,  # lanes per 16-byte vector when all is 16-byte aligned, else 1
     BLOCK_TOKENS: tl.constexpr,
@@ -58,8 +58,8 @@ def _gather_head_slices_kernel(
     lane = lane_block * BLOCK_LANES + tl.arange(0, BLOCK_LANES)
 
     token_in_range = token < num_tokens
-    position = token // page_size
-    slot = token - position * page_size
+    position = token // PAGE_SIZE
+    slot = token % PAGE_SIZE
     page = tl.load(src_pages_ptr + position, mask=token_in_range, other=0).to(tl.int64)
     src_row = tl.load(entry_ptr) + page * tl.load(entry_ptr + 1) + slot * tl.load(entry_ptr + 2)
     dst_row = tl.load(entry_ptr + 3) + position * tl.load(entry_ptr + 4)
@@ -117,8 +117,8 @@ def launch_gather_head_slices(
         _on_device(src_pages.contiguous(), staging.device),
         _on_device(torch.from_numpy(lanes), staging.device),
         num_tokens,
-        page_size,
         lane_blocks,
+        PAGE_SIZE=page_size,
         LANE=_LANES[lane_bytes],
         VECTOR=unit // lane_bytes,
         BLOCK_TOKENS=block_tokens,
