@@ -137,6 +137,7 @@ def gather_head_slices(
         >>> staging.tolist()  # bytes 4..8 and 12..16 of page 1
         [20, 21, 22, 23, 28, 29, 30, 31]
     """
+    _check_layout(layout)
     pages = as_page_list(src_pages, "src_pages")
     largest_page = _largest_page(pages, "src_pages")
     staging = _as_staging(staging)
@@ -206,6 +207,7 @@ def gathered_descriptors(
         raise PlanValidationError(
             f"staging_address: must be an integer in [0, 2**63), got {staging_address!r}"
         )
+    _check_layout(layout)
     _check_whole_pages(layout)
     pages = as_page_list(dst_pages, "dst_pages")
     num_pages = len(pages)
@@ -226,6 +228,14 @@ def gathered_descriptors(
     else:
         positions = np.arange(num_pages, dtype=np.int64)
     return plan_transfer(positions, pages, staged, backend=backend).columns_array()
+
+
+def _check_layout(layout: HeadSliceLayout) -> None:
+    if not isinstance(layout, HeadSliceLayout):
+        raise PlanValidationError(
+            f"layout: expected a HeadSliceLayout (HeadSliceLayout.build, chunk_layout), got "
+            f"{type(layout).__name__}"
+        )
 
 
 def _check_whole_pages(layout: HeadSliceLayout) -> None:

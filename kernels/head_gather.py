@@ -1,8 +1,8 @@
 """Gather every token's head slice into a staging region laid out as the destination pages.
 
 One program copies a [BLOCK_TOKENS, BLOCK_LANES] tile of one entry (a K or V
-buffer of one layer): row `k` is token `k % page_size` of staged page
-`k // page_size`, read from its source page's token slot at the source head
+buffer of one layer): row `k` is token `k % PAGE_SIZE` of staged page
+`k // PAGE_SIZE`, read from its source page's token slot at the source head
 offset and written to the same slot of the staged page at the destination
 head offset. The grid is (token blocks x lane blocks, entries): tokens on the
 x axis, which has no practical limit, entries on the y axis (at most 65535,
@@ -14,12 +14,17 @@ the same compiled for CUDA and under the Triton interpreter (where the
 staging tensor's pointer is a host address).
 
 Copy unit: the widest lane (8, 4, 2 or 1 bytes) that divides every address,
-page, token and slice length, so each thread moves 8-byte words where the
-geometry allows (a bf16 head of 64+ dims always does). When everything is
-also 16-byte aligned, `tl.multiple_of` tells the compiler so and it emits
-128-bit loads and stores (two int64 lanes), the widest global access on
-NVIDIA GPUs: a tile of 16 KiB per program keeps enough bytes in flight to
-stream at copy bandwidth. Byte lanes are the fallback for odd geometries.
+page, token and slice length. When all of them are also multiples of 16
+bytes (heads of 16+ bytes in allocator-aligned buffers: any bf16 head of 8+
+dims), `tl.multiple_of` says so and the compiler emits 128-bit loads and
+stores (two int64 lanes), the widest global access on NVIDIA GPUs; rows are
+whole slices, so a warp reads and writes contiguous runs of at least a
+slice. A 16 KiB tile per program (8 such accesses per thread) keeps enough
+bytes in flight to stream at copy bandwidth. Byte lanes are the fallback for
+odd geometries.
+
+Variants: the page dtype, the lane, the page size and the tile shape (from
+the widest slice): all fixed for a server, so its first gather compiles them.
 """
 
 from __future__ import annotations
@@ -77,7 +82,7 @@ def _gather_head_slices_kernel(
     tl.store(lanes_ptr + dst_row[:, None] + lane[None, :], tile, mask=copy_mask)
 
 
-def copy_unit(entries: np.ndarray, staging_address: int) -> int:
+def _copy_unit(entries: np.ndarray, staging_address: int) -> int:
     """The bytes every address and length in `entries` (and the staging address) are a multiple of.
 
     A power of two up to 16: the gcd with 16 of all of them.
@@ -103,7 +108,7 @@ def launch_gather_head_slices(
     if num_tokens == 0 or not entries.size or not entries[:, 6].any():
         return
     staging_address = staging.data_ptr()
-    unit = copy_unit(entries, staging_address)
+    unit = _copy_unit(entries, staging_address)
     lane_bytes = min(unit, 8)
     lanes = entries.copy()
     lanes[:, 0] -= staging_address  # both in [0, 2**63): the difference fits

@@ -29,6 +29,7 @@ from gpu_planner.head_gather import (
     staging_nbytes,
 )
 from gpu_planner.head_slices import HeadSliceLayout, head_slice_descriptors
+from gpu_planner.kernels import interpreter_enabled
 from gpu_planner.reference import group_runs
 
 GUARD = 64  # bytes after the staged region that must stay as they were
@@ -474,6 +475,30 @@ def test_refuses_staging_over_a_source_buffer(kv):
     refused(
         kv, r"^staging: its 32 bytes at \d+ overlap the source buffer of layer 0", staging=kv[96:]
     )
+
+
+def test_refuses_what_is_not_a_layout(kv):
+    staging = np.zeros(32, np.uint8)
+    for call in (
+        lambda: gather_head_slices({"page_size": 2}, np.array([0]), staging, 128),
+        lambda: gathered_descriptors({"page_size": 2}, np.array([0]), 4096),
+    ):
+        with pytest.raises(gp.PlanValidationError, match=r"^layout: expected a HeadSliceLayout"):
+            call()
+
+
+def test_refuses_more_entries_than_the_kernels_grid_takes(kv):
+    if interpreter_enabled():
+        device = torch.device("cpu")
+    elif torch.cuda.is_available():
+        device = torch.device("cuda")
+    else:
+        pytest.skip("the Triton backend needs the interpreter or CUDA")
+    layout = chunk_layout(kv_layout(kv), [0] * 65536)
+    staging = torch.zeros(staging_nbytes(layout, 1), dtype=torch.uint8, device=device)
+    with pytest.raises(gp.PlanValidationError, match=r"^layout: 65536 entries .* at most 65535$"):
+        gather_head_slices(layout, np.array([0]), staging, 128, backend="triton")
+    assert not staging.any()
 
 
 def test_refuses_an_unknown_backend(kv):
