@@ -103,9 +103,15 @@ def is_integer(value: object) -> bool:
 
 
 def check_page_size(page_size: int) -> int:
-    """`page_size` as a Python int; refuse anything but an integer >= 1."""
-    if not is_integer(page_size) or page_size < 1:
-        raise PlanValidationError(f"page_size: must be an integer >= 1, got {page_size!r}")
+    """`page_size` as a Python int; refuse anything but an integer in [1, 2**63 - 1].
+
+    Slots are int64, so a larger page size fits no kernel argument and holds
+    no slot but slot 0's page.
+    """
+    if not is_integer(page_size) or not 1 <= page_size <= INT64_MAX:
+        raise PlanValidationError(
+            f"page_size: must be an integer >= 1 and <= 2**63 - 1, got {page_size!r}"
+        )
     return int(page_size)
 
 

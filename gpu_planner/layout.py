@@ -16,13 +16,21 @@ HOST_SPACE = 0
 DEVICE_SPACE = 1
 
 
-def _as_int64(values: Sequence[int] | np.ndarray | torch.Tensor, name: str) -> np.ndarray:
-    """`values` as a flat int64 array; refuse non-integers and values outside int64."""
+def _as_int64(
+    values: Sequence[int] | np.ndarray | torch.Tensor, name: str, *, flags: bool = False
+) -> np.ndarray:
+    """`values` as a flat int64 array; refuse non-integers and values outside int64.
+
+    Booleans are refused unless `flags`: True is no address or length, and
+    NumPy would quietly turn `[16, True]` into `[16, 1]`.
+    """
     if isinstance(values, torch.Tensor):
         values = values.cpu().numpy()
     array = np.asarray(values)
     if array.ndim != 1:
         raise PlanValidationError(f"{name}: expected a flat list, got shape {array.shape}")
+    if not flags:
+        _refuse_bools(values, array, name)
     if array.dtype.kind in "ib" or (array.dtype.kind == "u" and array.itemsize < 8):
         return array.astype(np.int64)
     # uint64 data, or Python ints NumPy could not hold as int64: values >= 2**63 make
@@ -32,6 +40,18 @@ def _as_int64(values: Sequence[int] | np.ndarray | torch.Tensor, name: str) -> n
     if array.dtype.kind == "f" and not isinstance(values, np.ndarray):
         return _checked_ints(values, name)
     raise PlanValidationError(f"{name}: expected integers, got dtype {array.dtype}")
+
+
+def _refuse_bools(values: Sequence[int] | np.ndarray, array: np.ndarray, name: str) -> None:
+    """Raise naming `name` when `values` (converted to `array`) holds booleans."""
+    if array.dtype.kind == "b":
+        raise PlanValidationError(f"{name}: expected integers, got booleans (dtype {array.dtype})")
+    if array.dtype == object or not isinstance(values, np.ndarray):  # bools became ints
+        for position, value in enumerate(values):
+            if isinstance(value, (bool, np.bool_)):
+                raise PlanValidationError(
+                    f"{name}[{position}] = {value!r}: expected an integer, not a bool"
+                )
 
 
 def _checked_ints(values: Sequence, name: str) -> np.ndarray:
@@ -93,7 +113,7 @@ class BufferLayout:
         if dst_is_device is None:
             self.dst_is_device = np.zeros(self.num_buffers, dtype=bool)
         else:
-            self.dst_is_device = _as_int64(dst_is_device, "dst_is_device").astype(bool)
+            self.dst_is_device = _as_int64(dst_is_device, "dst_is_device", flags=True).astype(bool)
             self._check_length("dst_is_device", self.dst_is_device)
         self.src_lens = None if src_lens is None else _as_int64(src_lens, "src_lens")
         self.dst_lens = None if dst_lens is None else _as_int64(dst_lens, "dst_lens")

@@ -33,6 +33,16 @@ def _check_token_range(start: int, end: int, slots: torch.Tensor, name: str) -> 
         )
 
 
+def _slice_step(page_size: int, num_tokens: int) -> int:
+    """A slice step that keeps the same slots as `page_size` for `num_tokens` tokens.
+
+    torch sizes a slice as (tokens + step - 1) // step in int64, which
+    overflows for a step near 2**63; any step of at least `num_tokens` keeps
+    the first slot alone.
+    """
+    return min(page_size, max(num_tokens, 1))
+
+
 def kv_to_page_indices(
     kv_slots: IndexLike, page_size: int, backend: Backend | None = None
 ) -> torch.Tensor | np.ndarray:
@@ -55,9 +65,8 @@ def kv_to_page_indices(
     page_size = check_page_size(page_size)
     slots = as_index_tensor(kv_slots, "kv_slots")
     if resolve_backend(backend, slots.device) == "cpu":
-        return _like_input(
-            torch.div(slots[::page_size], page_size, rounding_mode="floor"), kv_slots
-        )
+        step = _slice_step(page_size, slots.numel())
+        return _like_input(torch.div(slots[::step], page_size, rounding_mode="floor"), kv_slots)
     from gpu_planner.kernels.page_indices import launch_page_indices
 
     with on_torch_device(slots.device):
@@ -106,8 +115,9 @@ def page_indices(
     _check_token_range(start, end, host_slot_tensor, "host_slots")
     _check_token_range(start, end, device_slots, "req_to_token_row")
     if resolve_backend(backend, device_slots.device) == "cpu":
+        step = _slice_step(page_size, end - start)
         host_pages, device_pages = (
-            torch.div(slots[start:end:page_size], page_size, rounding_mode="floor")
+            torch.div(slots[start:end:step], page_size, rounding_mode="floor")
             for slots in (host_slot_tensor, device_slots)
         )
     else:

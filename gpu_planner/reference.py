@@ -104,7 +104,19 @@ def _check_layout(
     item_lens: Sequence[int],
     registered: dict[str, Sequence[int] | None],
 ) -> None:
-    """Pointers in [0, 2**63), item lengths >= 1, buffers ending at or below 2**63 - 1."""
+    """Pointers in [0, 2**63), item lengths >= 1, buffers ending at or below 2**63 - 1.
+
+    Booleans are refused: True is no address or length.
+    """
+    per_buffer = {"src_ptrs": src_ptrs, "dst_ptrs": dst_ptrs, "item_lens": item_lens}
+    per_buffer.update(
+        (f"{side}_lens", lens) for side, lens in registered.items() if lens is not None
+    )
+    for name, values in per_buffer.items():
+        # Arrays and tensors (which have tolist) give their elements as Python scalars.
+        for buffer, value in enumerate(values.tolist() if hasattr(values, "tolist") else values):
+            if isinstance(value, bool):
+                raise PlanValidationError(f"{name}[{buffer}] = {value!r}: a bool, not an integer")
     for name, values, minimum in (
         ("src_ptrs", src_ptrs, 0),
         ("dst_ptrs", dst_ptrs, 0),

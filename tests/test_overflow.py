@@ -291,8 +291,60 @@ def test_numpy_integer_sizes_are_accepted_and_bool_refused():
     planned = gp.plan_transfer(fragmented, fragmented, layout, max_batch_pages=np.int32(2))
     assert planned.batch_offsets.tolist() == [0, 2, 4]
     with pytest.raises(
-        gp.PlanValidationError, match="page_size: must be an integer >= 1, got True"
+        gp.PlanValidationError, match=r"page_size: must be an integer >= 1 .*, got True"
     ):
         gp.kv_to_page_indices(slots, True)
     with pytest.raises(gp.PlanValidationError, match="max_batch_pages: .* got True"):
         gp.plan_transfer(fragmented, fragmented, layout, max_batch_pages=True)
+
+
+@pytest.mark.parametrize("page_size", [2**62 + 1, INT64_MAX - 1, INT64_MAX])
+def test_page_sizes_up_to_the_int64_limit_agree_on_every_backend(backend_device, page_size):
+    # torch sized the slice as (tokens + step - 1) / step: near 2**63 it overflowed, or kept
+    # no slot at all, while the kernels returned the first slot's page.
+    backend, device = backend_device
+    slot_values = [INT64_MAX, 2**62, 7, INT64_MAX - 1]
+    slots = torch.tensor(slot_values, dtype=torch.int64, device=device)
+    pages = gp.kv_to_page_indices(slots, page_size, backend=backend)
+    assert pages.tolist() == [slot // page_size for slot in slot_values[::page_size]] == [1]
+    host_slots = torch.tensor([0, INT64_MAX, 5, 6], device=device)
+    both = gp.page_indices(slots, host_slots, 1, 4, page_size, backend=backend)
+    assert both.device.tolist() == [2**62 // page_size] == [0]
+    assert both.host.tolist() == [INT64_MAX // page_size] == [1]
+
+
+@pytest.mark.parametrize("page_size", [2**63, 2**64, np.uint64(2**63)])
+def test_page_sizes_past_int64_are_refused_on_every_backend(backend_device, page_size):
+    backend, device = backend_device
+    slots = torch.arange(8, device=device)
+    message = r"page_size: must be an integer >= 1 and <= 2\*\*63 - 1"
+    with pytest.raises(gp.PlanValidationError, match=message):
+        gp.kv_to_page_indices(slots, page_size, backend=backend)
+    with pytest.raises(gp.PlanValidationError, match=message):
+        gp.page_indices(slots, slots, 0, 8, page_size, backend=backend)
+
+
+@pytest.mark.parametrize("argument", ["src_ptrs", "dst_ptrs", "item_lens", "src_lens", "dst_lens"])
+@pytest.mark.parametrize(
+    "booleans",
+    [[16, True], np.array([True, True]), torch.tensor([True, True])],
+    ids=["list", "numpy", "torch"],
+)
+def test_booleans_are_no_pointer_or_length_on_any_backend(backend_device, argument, booleans):
+    # NumPy turns [16, True] into [16, 1]: item_lens=[True] planned 1-byte pages.
+    layout = {
+        "src_ptrs": [4096, 8192],
+        "dst_ptrs": [4096, 8192],
+        "item_lens": [16, 16],
+        "src_lens": [1 << 20, 1 << 20],
+        "dst_lens": [1 << 20, 1 << 20],
+        argument: booleans,
+    }
+    assert_refused(
+        backend_device, gp.PlanValidationError, rf"^{argument}\b.*bool", [0, 1], [0, 1], layout
+    )
+
+
+def test_dst_is_device_takes_booleans():
+    layout = gp.BufferLayout([0, 64], [0, 64], [16, 16], dst_is_device=np.array([False, True]))
+    assert layout.dst_is_device.tolist() == [False, True]
