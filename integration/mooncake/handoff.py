@@ -24,7 +24,7 @@ from typing import Literal
 
 import numpy as np
 
-from gpu_planner.plan import BufferBatch, TransferPlan
+from gpu_planner.plan import BufferBatch, TransferPlan, exact_total
 
 logger = logging.getLogger(__name__)
 
@@ -99,8 +99,8 @@ def engine_call(engine: object, direction: Direction, path: Path) -> EngineCall:
 
 
 def column_total(column: Column) -> int:
-    """The sum of a list or array column (bytes, for a lengths column)."""
-    return int(column.sum()) if isinstance(column, np.ndarray) else sum(column)
+    """The exact sum of a list or array column (bytes, for a lengths column): a Python int."""
+    return exact_total(column) if isinstance(column, np.ndarray) else sum(column)
 
 
 def batches(plan: TransferPlan, path: Path) -> Iterator[tuple[Column, Column, Column]]:

@@ -14,15 +14,22 @@ example); later batches are never submitted.
 Time bound. Mooncake's own behaviour over TCP (measured with 0.3.13 and 0.3.14,
 see the tests): a peer that has exited (connection refused or reset) fails the call
 with -1 within milliseconds, but a peer that is alive and stalled (stopped,
-swapped out, wedged) keeps a synchronous call blocked for
-`MC_TCP_PROGRESS_TIMEOUT_SEC` (30 s) per stalled slice, one after another:
-minutes for a large batch. So every engine call runs on a thread of its own
-and the submitting thread waits at most `batch_timeout_s` per batch; on expiry
-it raises `TransferTimeoutError`. Mooncake cannot cancel a call it has
-started: the abandoned calls keep running, and keep writing (a stalled peer
-that resumes receives the rest of that batch, never a later one). The error's
+swapped out, wedged) keeps a synchronous call blocked: 60 s for the first
+contact (the P2P handshake's socket read, a fixed timeout no variable sets;
+measured 61.5-61.8 s, 0.3.14), then `MC_TCP_PROGRESS_TIMEOUT_SEC` (30 s) per stalled slice,
+one after another: minutes for a large batch. So every engine call runs on a
+thread of its own and the submitting thread waits at most `batch_timeout_s`
+per batch (finite, at most `threading.TIMEOUT_MAX`, or None); on expiry it
+raises `TransferTimeoutError`. Mooncake cannot cancel a call it has started:
+the abandoned calls keep running, and keep writing (a stalled peer that
+resumes receives the rest of that batch, never a later one). The error's
 `in_flight` holds their futures, and `close(timeout)` waits for every call
-the transfer started and returns those still running.
+the transfer started and returns those still running. At most
+`max_abandoned_calls` (default 16) abandoned calls per transfer: while that
+many still run, a batch is refused before its first call, so submits to a
+stalled peer fail fast instead of piling up threads. An exception that is not
+an `Exception` (`KeyboardInterrupt`, `SystemExit`) in an engine call is
+re-raised by `submit` at once, unwrapped; the call no longer counts as running.
 
 When buffers may be reused or unregistered: the local buffers (sources of a
 write, destinations of a read) and the peer's registered buffers must stay
@@ -33,10 +40,14 @@ raises a `TransferError` whose `in_flight` is empty, and after a
 
 Threads. One `MooncakeSender`/`MooncakeReader` may be shared: concurrent
 `submit` calls share no worker, so each batch's timeout covers only that
-submit's own calls. `close()` makes every submit stop before its next batch
-(and refuses new ones); it cancels nothing, so no future claims to run that
-does not. The call threads are daemon threads: a call stuck in Mooncake does
-not hold up the interpreter's exit.
+submit's own calls. `close()` is final: no engine call starts once it has
+returned, however a batch is split. A call starts (and counts as running) when
+its thread passes the closed check, under the lock `close` takes, and then
+calls Mooncake directly; a call that finds the transfer closed never reaches
+Mooncake and its future is cancelled. So `close` returns exactly the started
+calls that have not returned, and each submit raises a `TransferError` saying
+it was closed once its started calls have ended. The call threads are daemon
+threads: a call stuck in Mooncake does not hold up the interpreter's exit.
 
 Queue-sized calls: split, never refused. Mooncake's TCP transport queues at
 most `MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER` descriptors per peer (1024 by
@@ -57,6 +68,8 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import math
+import numbers
 import threading
 import time
 from collections.abc import Iterable
@@ -64,12 +77,38 @@ from concurrent.futures import Future
 from itertools import groupby
 from operator import attrgetter
 
+from gpu_planner.inputs import is_integer
 from gpu_planner.integration.mooncake import handoff
 from gpu_planner.integration.mooncake.engine import TCP_QUEUE_DEFAULT
 from gpu_planner.plan import BufferBatch, TransferPlan
 from gpu_planner.profiling import nvtx_range
 
 Batch = tuple[handoff.Column, handoff.Column, handoff.Column]
+MAX_ABANDONED_CALLS = 16  # per transfer: abandoned calls still running before batches are refused
+
+
+def checked_timeout(name: str, seconds: float | None, *, allow_zero: bool) -> float | None:
+    """`seconds` when it is None or a finite number > 0 (or 0) and <= `threading.TIMEOUT_MAX`.
+
+    Python's waits raise `OverflowError` past `TIMEOUT_MAX` (inf included)
+    and return at once for NaN, so neither may reach them.
+    """
+    if seconds is None:
+        return None
+    least = ">= 0" if allow_zero else "> 0"
+    if (
+        not isinstance(seconds, numbers.Real)
+        or isinstance(seconds, bool)
+        or not math.isfinite(seconds)
+        or not (seconds > 0 or (allow_zero and seconds == 0))
+        or seconds > threading.TIMEOUT_MAX
+    ):
+        raise ValueError(
+            f"{name}: must be a finite number of seconds {least} and at most "
+            f"threading.TIMEOUT_MAX ({threading.TIMEOUT_MAX:.0f}), or None for no bound; "
+            f"got {seconds!r}"
+        )
+    return float(seconds)
 
 
 class TransferError(RuntimeError):
@@ -109,9 +148,10 @@ class MooncakeTransfer:
     per buffer, up to that many at a time (sglang's custom-memory-pool path);
     the batch completes when all its calls have. `batch_timeout_s` bounds each
     batch (None: no bound, and without buffer workers the calls run on the
-    submitting thread). Batches reach Mooncake through
-    `handoff`: descriptor arrays when the engine takes them, else lists
-    (`handoff_path`, detected from the engine unless given).
+    submitting thread). While `max_abandoned_calls` calls abandoned by timed-out
+    batches still run, every batch is refused before its first call. Batches
+    reach Mooncake through `handoff`: descriptor arrays when the engine takes
+    them, else lists (`handoff_path`, detected from the engine unless given).
     """
 
     operation = "transfer with"  # how error messages name the direction
@@ -125,25 +165,30 @@ class MooncakeTransfer:
         buffer_workers: int = 0,
         batch_timeout_s: float | None = 60.0,
         max_call_descriptors: int | None = TCP_QUEUE_DEFAULT,
+        max_abandoned_calls: int = MAX_ABANDONED_CALLS,
         handoff_path: handoff.Path | None = None,
     ) -> None:
         if buffer_workers < 0:
             raise ValueError(f"buffer_workers: must be >= 0, got {buffer_workers}")
-        if batch_timeout_s is not None and batch_timeout_s <= 0:
-            raise ValueError(f"batch_timeout_s: must be > 0 or None, got {batch_timeout_s}")
         if max_call_descriptors is not None and max_call_descriptors < 1:
             raise ValueError(
                 f"max_call_descriptors: must be >= 1 or None, got {max_call_descriptors}"
             )
+        if not is_integer(max_abandoned_calls) or max_abandoned_calls < 1:
+            raise ValueError(
+                f"max_abandoned_calls: must be an integer >= 1, got {max_abandoned_calls!r}"
+            )
         self.engine = engine
         self.peer = peer_session_id
         self.buffer_workers = buffer_workers
-        self.batch_timeout_s = batch_timeout_s
+        self.batch_timeout_s = checked_timeout("batch_timeout_s", batch_timeout_s, allow_zero=False)
         self.max_call_descriptors = max_call_descriptors
+        self.max_abandoned_calls = int(max_abandoned_calls)
         self.handoff_path = handoff_path or handoff.handoff_path(engine, self.direction)
         self._engine_call = handoff.engine_call(engine, self.direction, self.handoff_path)
         self._lock = threading.Lock()
-        self._in_flight: set[Future[int]] = set()  # calls started and not yet done
+        self._in_flight: set[Future[int]] = set()  # calls started that have not returned
+        self._abandoned: set[Future[int]] = set()  # those of them whose batch timed out
         self._closed = False
 
     def __enter__(self):
@@ -153,13 +198,14 @@ class MooncakeTransfer:
         self.close()
 
     def close(self, timeout: float | None = 0.0) -> list[Future[int]]:
-        """Stop every submit before its next batch; the calls still running after `timeout` s.
+        """Start no engine call from now on; the calls still running after `timeout` s.
 
         Waits at most `timeout` seconds (None: without bound) for the calls in
         flight, whichever thread started them. An empty list means none is
-        running: the buffers may be reused or unregistered. Nothing is
-        cancelled (Mooncake cannot stop a call it has started).
+        running, and none will start: the buffers may be reused or
+        unregistered. No started call is cancelled (Mooncake cannot stop one).
         """
+        timeout = checked_timeout("timeout", timeout, allow_zero=True)
         with self._lock:
             self._closed = True
             in_flight = list(self._in_flight)
@@ -195,10 +241,15 @@ class MooncakeTransfer:
         confirmed = 0
         with nvtx_range(f"{type(self).__name__}/submit"):
             for index, pieces in enumerate(groups):
-                if self._closed:
+                with self._lock:
+                    abandoned = len(self._abandoned)
+                if abandoned >= self.max_abandoned_calls:
                     raise TransferError(
-                        f"Mooncake batch {index} ({self.operation} {self.peer}): the transfer "
-                        f"was closed; {confirmed} bytes were confirmed before it",
+                        f"Mooncake batch {index} ({self.operation} {self.peer}) refused: "
+                        f"{abandoned} abandoned calls of timed-out batches are still running "
+                        f"in Mooncake (is the peer stalled?), max_abandoned_calls="
+                        f"{self.max_abandoned_calls}; batches are accepted again once they "
+                        f"end; {confirmed} bytes were confirmed before",
                         batch_index=index,
                         confirmed_bytes=confirmed,
                     )
@@ -231,22 +282,33 @@ class MooncakeTransfer:
         """Run one batch's calls within the batch timeout; the bytes confirmed after it.
 
         At most `buffer_workers` (or one) run at a time, started in order, and
-        none starts once a call has failed. Raises `TransferError`.
+        none starts once a call has failed or found the transfer closed.
+        Raises `TransferError`; re-raises at once what is not an `Exception`.
         """
         timeout = self.batch_timeout_s
         deadline = None if timeout is None else time.monotonic() + timeout
         waiting = collections.deque(calls)
         running: dict[Future[int], Batch] = {}
         failed: tuple[Future[int], Batch] | None = None
-        while waiting or running:
-            while waiting and failed is None and len(running) < max(self.buffer_workers, 1):
+        refused = 0  # calls that found the transfer closed
+        while True:
+            while (
+                waiting
+                and failed is None
+                and not refused
+                and len(running) < max(self.buffer_workers, 1)
+            ):
                 call = waiting.popleft()
                 running[self._start(call)] = call
+            if not running:
+                break
             remaining = None if deadline is None else max(deadline - time.monotonic(), 0.0)
             done, _ = concurrent.futures.wait(
                 running, timeout=remaining, return_when=concurrent.futures.FIRST_COMPLETED
             )
             if not done:
+                with self._lock:  # those still running: a call that returned is not abandoned
+                    self._abandoned |= self._in_flight.intersection(running)
                 raise TransferTimeoutError(
                     f"Mooncake batch {index} ({self.operation} {self.peer}): {len(running)} of "
                     f"{len(calls)} calls still running after {timeout} s (is the peer stalled?) "
@@ -259,12 +321,26 @@ class MooncakeTransfer:
                 )
             for future in done:
                 call = running.pop(future)
-                if future.exception() is None and future.result() == 0:
+                if future.cancelled():  # it found the transfer closed: never started
+                    refused += 1
+                    continue
+                error = future.exception()
+                if error is not None and not isinstance(error, Exception):
+                    raise error  # KeyboardInterrupt, SystemExit: not the engine's failure
+                if error is None and future.result() == 0:
                     confirmed += handoff.column_total(call[2])
                 elif failed is None:
                     failed = future, call
         if failed is not None:
             raise self._failure(index, *failed, confirmed)
+        if refused:
+            raise TransferError(
+                f"Mooncake batch {index} ({self.operation} {self.peer}): the transfer was "
+                f"closed; {refused + len(waiting)} of its {len(calls)} calls were not started; "
+                f"{confirmed} bytes were confirmed before, later batches not submitted",
+                batch_index=index,
+                confirmed_bytes=confirmed,
+            )
         return confirmed
 
     def _failure(
@@ -286,15 +362,11 @@ class MooncakeTransfer:
         return failure
 
     def _start(self, call: Batch) -> Future[int]:
-        """Start one engine call on a thread of its own (on this one when nothing is bounded).
+        """Run one engine call on a thread of its own (on this one when nothing is bounded).
 
         A thread per call means no call ever waits for another submit's worker.
         """
         future: Future[int] = Future()
-        future.set_running_or_notify_cancel()  # started: it cannot be cancelled
-        with self._lock:
-            self._in_flight.add(future)
-        future.add_done_callback(self._forget)
         if self.batch_timeout_s is None and not self.buffer_workers:
             self._run(future, call)
         else:
@@ -303,14 +375,33 @@ class MooncakeTransfer:
         return future
 
     def _run(self, future: Future[int], call: Batch) -> None:
+        """Call the engine unless the transfer is closed (then cancel `future`); resolve it.
+
+        The closed check and the registration as running are one step under
+        the lock `close` takes, so `close` sees every call that may still
+        reach Mooncake. A call leaves the running set before its future
+        resolves: whoever wakes on it sees it gone.
+        """
+        with self._lock:
+            if self._closed:
+                future.cancel()
+                future.set_running_or_notify_cancel()  # cancelled, and done for its waiters
+                return
+            future.set_running_or_notify_cancel()
+            self._in_flight.add(future)
         try:
-            future.set_result(self._call(*call))
-        except Exception as error:  # any engine failure becomes the batch's TransferError
+            status = self._call(*call)
+        except BaseException as error:  # the submitting thread raises it (or its TransferError)
+            self._forget(future)
             future.set_exception(error)
+        else:
+            self._forget(future)
+            future.set_result(status)
 
     def _forget(self, future: Future[int]) -> None:
         with self._lock:
             self._in_flight.discard(future)
+            self._abandoned.discard(future)
 
     def _call(self, srcs: handoff.Column, dsts: handoff.Column, lens: handoff.Column) -> int:
         """One Mooncake call for (srcs, dsts, lens) in the plan's convention; its status."""

@@ -270,6 +270,22 @@ class Sides:
             initial_bytes(LOCAL_SEED, index, b.nbytes) for index, b in enumerate(self.local.buffers)
         ]
 
+    def after_calls(self, calls: list[tuple[list[int], list[int], list[int]]]) -> list[np.ndarray]:
+        """The destination buffers once exactly `calls` ((srcs, dsts, lens), plan order) moved."""
+        src_ptrs, dst_ptrs = self.local.ptrs, self.peer.ptrs
+        if self.direction == "pull":
+            src_ptrs, dst_ptrs = dst_ptrs, src_ptrs
+        sources, after = self.sources(), self.destination_initial()
+        for srcs, dsts, lens in calls:
+            for src, dst, length in zip(srcs, dsts, lens, strict=True):
+                src_buffer = _buffer_at(src_ptrs, src)
+                dst_buffer = _buffer_at(dst_ptrs, dst)
+                src_at, dst_at = src - src_ptrs[src_buffer], dst - dst_ptrs[dst_buffer]
+                after[dst_buffer][dst_at : dst_at + length] = sources[src_buffer][
+                    src_at : src_at + length
+                ]
+        return after
+
     def destination(self) -> list[np.ndarray]:
         """The destination buffers' bytes now."""
         return (
@@ -277,6 +293,11 @@ class Sides:
             if self.direction == "push"
             else [b.copy() for b in self.local.buffers]
         )
+
+
+def _buffer_at(ptrs: list[int], address: int) -> int:
+    """The buffer, of those starting at `ptrs`, that holds `address` (the last one before it)."""
+    return max((ptr, buffer) for buffer, ptr in enumerate(ptrs) if ptr <= address)[1]
 
 
 @contextlib.contextmanager

@@ -12,16 +12,19 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import dataclasses
+import socket
 import threading
 from collections.abc import Iterator
 
 import numpy as np
 import pytest
 from mooncake_peer import (
+    LOCALHOST,
     HookedEngine,
     Sides,
     changed_pages,
     expected_after,
+    local_engine,
     page_request,
     two_sides,
 )
@@ -263,6 +266,60 @@ def test_close_from_another_thread_stops_the_submit_before_its_next_batch(direct
         assert transfer.close(timeout=WAIT_S) == []
         expected = _expected(sides, pages, num_pages=2 * BATCH_PAGES)
         assert changed_pages(sides.destination(), expected, ITEM_LEN) == 0
+
+
+@pytest.mark.parametrize("direction", DIRECTIONS)
+def test_close_is_final_inside_a_batch_split_into_calls(direction):
+    # One batch cut into calls of 4 descriptors; call 1 is held when close() is called. In
+    # pull mode every call writes local pages: none may change but those of the two calls
+    # started before close() returned. (Buffer workers: test_transfer_bounds.py, with a fake
+    # engine that holds every call.)
+    pages = page_request(NUM_PAGES, POOL_PAGES)
+    held = HeldCall()
+    with _sides(direction) as sides:
+        plan = _plan(sides, pages, max_batch_pages=0)
+        engine = HookedEngine(sides.local.engine, at_call=1, hook=held)
+        transfer = sides.transfer(
+            engine, sides.peer.session_id, batch_timeout_s=30.0, max_call_descriptors=4
+        )
+        assert plan.num_batches == 1 and plan.num_descriptors > 3 * 4
+        with submit_in_a_thread(transfer, plan, held) as submit:
+            (running,) = transfer.close(timeout=0.05)  # call 1, held: really running
+            assert running.running() and len(engine.calls) == 2
+        with pytest.raises(TransferError, match="closed") as caught:
+            submit.result(WAIT_S)
+        assert running.result() == 0 and transfer.close(timeout=0.0) == []
+        assert len(engine.calls) == 2  # nothing started after close() returned
+        assert caught.value.in_flight == ()
+        assert caught.value.confirmed_bytes == sum(sum(lens) for *_, lens in engine.calls)
+        expected = sides.after_calls(engine.calls)
+        assert changed_pages(sides.destination(), expected, ITEM_LEN) == 0
+        assert changed_pages(expected, _expected(sides, pages), ITEM_LEN) > 0  # a real stop
+
+
+def test_calls_abandoned_in_a_stalled_handshake_are_capped_until_they_end():
+    # First contact with a peer whose port accepts connections (the kernel's backlog) but
+    # never answers: Mooncake's handshake read blocks 60 s (README: measured 61.5-61.8 s).
+    with (
+        local_engine([POOL_PAGES * ITEM_LEN]) as local,
+        socket.create_server((LOCALHOST, 0)) as listener,
+    ):
+        peer = f"{LOCALHOST}:{listener.getsockname()[1]}"
+        layout = gp.BufferLayout(local.ptrs, [1 << 20], [ITEM_LEN])
+        plan = gp.plan_transfer(np.arange(4), np.arange(4), layout)
+        engine = HookedEngine(local.engine)
+        transfer = MooncakeSender(engine, peer, batch_timeout_s=0.5, max_abandoned_calls=1)
+        with pytest.raises(TransferTimeoutError) as caught:
+            transfer.submit(plan)
+        (abandoned,) = caught.value.in_flight
+        with pytest.raises(TransferError, match="refused: 1 abandoned calls") as refused:
+            transfer.submit(plan)
+        assert not isinstance(refused.value, TransferTimeoutError) and len(engine.calls) == 1
+        listener.close()  # the peer is gone: the stalled handshake fails at once
+        assert abandoned.result(WAIT_S) != 0
+        with pytest.raises(TransferError, match="status -1"):  # accepted again; Mooncake fails it
+            transfer.submit(plan)
+        assert len(engine.calls) == 2 and transfer.close() == []
 
 
 @pytest.mark.parametrize("path", [handoff.ARRAYS, handoff.LISTS])
