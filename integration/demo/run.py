@@ -19,6 +19,7 @@ and submits; it spawns the other side. Two transfer modes (`MODES`):
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -28,9 +29,9 @@ import gpu_planner as gp
 from gpu_planner.integration.demo.buffers import Verification
 from gpu_planner.integration.demo.config import DemoConfig, index_device
 from gpu_planner.integration.demo.sides import (
-    DONE,
-    FAILED,
+    ROOM,
     DecodeSide,
+    Outcome,
     PrefillSide,
     Side,
     count_runs,
@@ -44,6 +45,9 @@ from gpu_planner.integration.mooncake import (
     MooncakeTransfer,
     handoff,
 )
+from gpu_planner.integration.sglang.frames import KVRegistration, SourcePages
+
+PEER_EXIT_S = 10.0  # past timeout_s: a peer's own time-out and engine shutdown, then SIGKILL
 
 
 @dataclass
@@ -97,10 +101,11 @@ def _plan_and_submit(
 
 def run_push(prefill: PrefillSide, report: DemoReport) -> None:
     """sglang's model, in the prefill process: plan, write, and collect decode's verification."""
-    registration, request = prefill.receive_metadata()
+    registration_frames, request = prefill.receive_metadata()
     report.pages = len(request.host_pages)
     failure = None
     try:
+        registration = KVRegistration.from_frames(registration_frames)
         dst_pages = gp.PageIndices(request.host_pages, request.device_pages)
         layout = pair_layout(prefill.registration(), registration)
         _plan_and_submit(
@@ -112,18 +117,39 @@ def run_push(prefill: PrefillSide, report: DemoReport) -> None:
     report.verification = prefill.finish(request, failure)
 
 
+def _peer_process(name: str, serve: Callable[[], None]) -> None:
+    """Run a peer process's side; any failure ends it with one line on stderr and exit code 1.
+
+    The demo's own process reports the run; the peer's traceback would only
+    bury the reason (a malformed message, a timeout) in noise.
+    """
+    try:
+        serve()
+    except Exception as error:
+        print(
+            f"gpu-planner demo ({name} process): {type(error).__name__}: {error}", file=sys.stderr
+        )
+        raise SystemExit(1) from None
+
+
 def run_push_decode(config: DemoConfig, prefill_port: int) -> None:
     """Entry point of the decode process in push mode."""
-    with DecodeSide(config) as decode:
-        decode.serve_push(prefill_port)
+
+    def serve() -> None:
+        with DecodeSide(config) as decode:
+            decode.serve_push(prefill_port)
+
+    _peer_process("decode", serve)
 
 
 def run_pull(decode: DecodeSide, report: DemoReport) -> None:
     """The pull model, in the decode process: plan on its own device, read, verify."""
-    registration, source = decode.receive_source()
-    report.pages = len(source.pages)
+    registration, source_frames = decode.receive_source()
+    source = SourcePages(ROOM, registration.session_id, np.empty(0, np.int32))
     failure = None
     try:
+        source = SourcePages.from_frames(source_frames)
+        report.pages = len(source.pages)
         computed, copies = decode.pages.computed, decode.pages.numpy()
         if not decode.has_device_buffers:
             computed, copies = computed._replace(device=None), copies._replace(device=None)
@@ -134,16 +160,20 @@ def run_pull(decode: DecodeSide, report: DemoReport) -> None:
         )  # fmt: skip
     except Exception as error:  # whatever failed, prefill hears of it and ends
         failure = _failure(error, report)
-    report.verification = decode.verify(source.pages if failure is None else np.empty(0, np.int64))
-    outcome = [DONE, b""] if failure is None else [FAILED, failure.encode()]
+    sent = source.pages if failure is None else None
+    report.verification = decode.verify(np.empty(0, np.int64) if sent is None else sent)
     to_prefill = decode.outbox(registration.endpoint, registration.port)
-    to_prefill.send_multipart([outcome[0], str(source.room).encode(), outcome[1]])
+    to_prefill.send_multipart(Outcome(source.room, sent, failure or "").to_frames())
 
 
 def run_pull_prefill(config: DemoConfig, decode_port: int) -> None:
     """Entry point of the prefill process in pull mode."""
-    with PrefillSide(config) as prefill:
-        prefill.serve_pull(decode_port)
+
+    def serve() -> None:
+        with PrefillSide(config) as prefill:
+            prefill.serve_pull(decode_port)
+
+    _peer_process("prefill", serve)
 
 
 @dataclass(frozen=True)
@@ -172,7 +202,8 @@ def run_demo(config: DemoConfig) -> DemoReport:
         except Exception as error:  # reported; the peer is joined (or killed) below
             _failure(error, report)
         finally:
-            peer.join(config.timeout_s)
+            # The peer's own waits end at timeout_s: let it time out and shut its engine down.
+            peer.join(config.timeout_s + PEER_EXIT_S)
             if peer.is_alive():
                 peer.kill()
                 peer.join()

@@ -19,6 +19,7 @@ import torch
 import zmq
 
 import gpu_planner as gp
+from gpu_planner.inputs import INT64_MAX
 from gpu_planner.integration.demo.buffers import (
     DECODE_SIDE,
     PREFILL_SIDE,
@@ -36,10 +37,13 @@ from gpu_planner.integration.mooncake import (
 )
 from gpu_planner.integration.mooncake.engine import tcp_queue_capacity, tcp_queue_env
 from gpu_planner.integration.sglang.frames import (
+    FrameError,
     KVRegistration,
     SourcePages,
     TransferRequest,
     pages_to_int32_bytes,
+    parse_int,
+    parse_pages,
 )
 from gpu_planner.profiling import nvtx_range
 from gpu_planner.testing import fragmented_pages
@@ -53,6 +57,44 @@ ROOM = 1
 _POLL_S = 0.1
 
 PageArray = np.ndarray | torch.Tensor
+
+
+@dataclasses.dataclass(frozen=True)
+class Outcome:
+    """The planning side's word to its peer: what was sent (source pages), or why nothing was."""
+
+    room: int
+    sent_pages: np.ndarray | None  # None: nothing was sent
+    failure: str = ""
+
+    def to_frames(self) -> list[bytes]:
+        room = str(self.room).encode()
+        if self.sent_pages is None:
+            return [FAILED, room, self.failure.encode()]
+        return [DONE, room, pages_to_int32_bytes(self.sent_pages, "sent_pages")]
+
+    @classmethod
+    def from_frames(cls, frames: list[bytes]) -> Outcome:
+        """Parse `to_frames` output; `FrameError` for anything else."""
+        if len(frames) != 3 or frames[0] not in (DONE, FAILED):
+            raise FrameError(f"not a transfer outcome: {len(frames)} frames, {frames[:1]!r}")
+        room = parse_int(frames[1], "outcome room", 0, 2**64 - 1)
+        if frames[0] == FAILED:
+            return cls(room, None, frames[2].decode("utf-8", "replace"))
+        return cls(room, parse_pages(frames[2], "outcome sent_pages"))
+
+
+def parse_verification(frames: list[bytes]) -> Verification:
+    """Decode's verification message: `VERIFIED` and one decimal count per field."""
+    names = [field.name for field in dataclasses.fields(Verification)]
+    if len(frames) != 1 + len(names) or frames[0] != VERIFIED:
+        raise FrameError(f"not a verification: {len(frames)} frames, {frames[:1]!r}")
+    return Verification(
+        *(
+            parse_int(frame, f"verification {name}", 0, INT64_MAX)
+            for name, frame in zip(names, frames[1:], strict=True)
+        )
+    )
 
 
 def _token_slots(pages: np.ndarray, tokens: int, page_size: int) -> torch.Tensor:
@@ -180,17 +222,21 @@ class DecodeSide(Side):
         to_prefill = self.outbox(LOCALHOST, prefill_port)
         to_prefill.send_multipart(self.registration().to_frames())
         to_prefill.send_multipart(self.transfer_request().to_frames())
-        frames = self.receive("the transfer outcome from prefill")
-        sent = frames[0] == DONE
-        src_pages = np.frombuffer(frames[2], dtype=np.int32) if sent else np.empty(0, np.int64)
-        verification = dataclasses.astuple(self.verify(src_pages))
+        outcome = Outcome.from_frames(self.receive("the transfer outcome from prefill"))
+        sent = outcome.sent_pages
+        verification = dataclasses.astuple(self.verify(np.empty(0) if sent is None else sent))
         fields = (str(value).encode() for value in verification)
         to_prefill.send_multipart([VERIFIED, *fields])
 
-    def receive_source(self) -> tuple[KVRegistration, SourcePages]:
-        """Pull: the prefill side's buffer registration, then the request's source pages."""
+    def receive_source(self) -> tuple[KVRegistration, list[bytes]]:
+        """Pull: the prefill side's registration (where to report), then the source pages' frames.
+
+        A malformed registration raises `FrameError`: the prefill side cannot
+        be told, and times out. The caller parses the pages, so it can report
+        a malformed message to the prefill side.
+        """
         registration = KVRegistration.from_frames(self.receive("the prefill registration"))
-        return registration, SourcePages.from_frames(self.receive("the source pages"))
+        return registration, self.receive("the source pages")
 
 
 class PrefillSide(Side):
@@ -205,22 +251,24 @@ class PrefillSide(Side):
             config.num_pages, config.mean_run, rng, pool_pages=pool_pages
         )
 
-    def receive_metadata(self) -> tuple[KVRegistration, TransferRequest]:
-        """Push: the decode side's buffer registration, then its transfer request."""
-        registration = KVRegistration.from_frames(self.receive("the decode registration"))
-        request = TransferRequest.from_frames(self.receive("the transfer request"))
-        return registration, request
+    def receive_metadata(self) -> tuple[list[bytes], TransferRequest]:
+        """Push: the decode side's registration frames, then its transfer request.
+
+        A malformed request raises `FrameError`: it says where decode listens,
+        so decode cannot be told, and times out. The caller parses the
+        registration, so it can report a malformed one to decode.
+        """
+        registration_frames = self.receive("the decode registration")
+        return registration_frames, TransferRequest.from_frames(
+            self.receive("the transfer request")
+        )
 
     def finish(self, request: TransferRequest, failure: str | None = None) -> Verification:
         """Push: tell decode what was sent (or why nothing was); return its verification."""
         to_decode = self.outbox(request.endpoint, request.port)
-        room = str(request.room).encode()
-        if failure is None:
-            to_decode.send_multipart([DONE, room, pages_to_int32_bytes(self.src_pages, "src")])
-        else:
-            to_decode.send_multipart([FAILED, room, failure.encode()])
-        frames = self.receive("the verification from decode")
-        return Verification(*(int(value) for value in frames[1:]))
+        sent = self.src_pages if failure is None else None
+        to_decode.send_multipart(Outcome(request.room, sent, failure or "").to_frames())
+        return parse_verification(self.receive("the verification from decode"))
 
     def serve_pull(self, decode_port: int) -> None:
         """Pull peer: send the buffers and source pages, keep them until decode has read."""
@@ -228,7 +276,8 @@ class PrefillSide(Side):
         to_decode.send_multipart(self.registration().to_frames())
         source = SourcePages(room=ROOM, session_id=self.session_id, pages=self.src_pages)
         to_decode.send_multipart(source.to_frames())
-        self.receive("the transfer outcome from decode")
+        # Decode has read (or failed; it reports that itself): a malformed word is a FrameError.
+        Outcome.from_frames(self.receive("the transfer outcome from decode"))
 
 
 def pair_layout(source: KVRegistration, destination: KVRegistration) -> gp.BufferLayout:

@@ -14,15 +14,24 @@ Push (sglang's model): two messages go from decode to prefill, as in sglang's
 Pull (decode plans and reads): prefill sends decode its own `KVRegistration`
 (its source buffers) once, and `SourcePages` per request: pull's own message,
 in the same encodings.
+
+Frames come from another process: every parser checks the frame count, each
+frame's length and every value's range, and raises `FrameError` (a
+`ValueError`) naming the frame and field, never `struct.error` or `IndexError`.
 """
 
 from __future__ import annotations
 
+import contextlib
+import re
 import struct
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+
+from gpu_planner.inputs import INT64_MAX
 
 REGISTRATION_ROOM = b"None"
 SGLANG_REGISTRATION_FRAMES = 20  # frames 0-19: what sglang 0.5.23's KVArgsRegisterInfo reads
@@ -30,14 +39,58 @@ REGISTRATION_VERSION = b"gpu_planner.registration/1"
 REGISTRATION_FRAMES = SGLANG_REGISTRATION_FRAMES + 3  # + version, byte lengths, spaces
 TRANSFER_REQUEST_FRAMES = 10  # sglang 0.5.23's build_receiver_metadata_message
 _INT32_MAX = np.iinfo(np.int32).max
+MAX_PORT = 65535
+MAX_RANKS = 2**20  # TP/DCP sizes and ranks: far beyond any deployment, far below absurd
+
+
+class FrameError(ValueError):
+    """A malformed metadata message: names the message, frame and field at fault."""
+
+
+@contextlib.contextmanager
+def _parsing(message: str) -> Iterator[None]:
+    """Name `message` in a `FrameError` (or a constructor's `ValueError`) raised parsing it."""
+    try:
+        yield
+    except ValueError as error:
+        raise FrameError(f"{message}: {error}") from None
 
 
 def _pack_u64(values: list[int]) -> bytes:
     return struct.pack(f"<{len(values)}Q", *values)
 
 
-def _unpack_u64(frame: bytes) -> list[int]:
-    return list(struct.unpack(f"<{len(frame) // 8}Q", frame))
+def _unpack_u64(frame: bytes, field: str) -> list[int]:
+    """Little-endian u64 values, each below 2**63 (a pointer or length of a real buffer)."""
+    if len(frame) % 8:
+        raise FrameError(f"{field}: {len(frame)} bytes is not a whole number of u64 values")
+    values = list(struct.unpack(f"<{len(frame) // 8}Q", frame))
+    too_large = [i for i, value in enumerate(values) if value > INT64_MAX]
+    if too_large:
+        raise FrameError(f"{field}[{too_large[0]}] = {values[too_large[0]]}: must be below 2**63")
+    return values
+
+
+def _text(frame: bytes, field: str) -> str:
+    try:
+        return frame.decode("ascii")
+    except UnicodeDecodeError:
+        raise FrameError(f"{field}: not ASCII text: {frame[:40]!r}") from None
+
+
+def parse_int(frame: bytes, field: str, low: int, high: int) -> int:
+    """An ASCII decimal integer frame in [low, high]; `FrameError` naming `field` otherwise."""
+    text = _text(frame, field)
+    if not re.fullmatch(r"-?[0-9]{1,40}", text):
+        raise FrameError(f"{field}: not a decimal integer: {frame[:40]!r}")
+    value = int(text)
+    if not low <= value <= high:
+        raise FrameError(f"{field} = {value}: must be in [{low}, {high}]")
+    return value
+
+
+def _port(frame: bytes, field: str) -> int:
+    return parse_int(frame, field, 1, MAX_PORT)
 
 
 def _ascii(value: int | str) -> bytes:
@@ -57,9 +110,25 @@ def pages_to_int32_bytes(pages: np.ndarray | torch.Tensor, name: str) -> bytes:
     return pages.astype(np.int32).tobytes()
 
 
-def _int32_pages(frame: bytes) -> np.ndarray:
-    """A writable int32 page array from a frame (torch refuses read-only NumPy buffers)."""
-    return np.frombuffer(frame, dtype=np.int32).copy()
+def parse_pages(frame: bytes, field: str) -> np.ndarray:
+    """A writable int32 page array (>= 0) from an int32 frame; `FrameError` naming `field` otherwise.
+
+    Writable: torch refuses read-only NumPy buffers.
+    """
+    if len(frame) % 4:
+        raise FrameError(f"{field}: {len(frame)} bytes is not a whole number of int32 pages")
+    pages = np.frombuffer(frame, dtype=np.int32).copy()
+    if pages.size and int(pages.min()) < 0:
+        bad = int(np.flatnonzero(pages < 0)[0])
+        raise FrameError(f"{field}[{bad}] = {int(pages[bad])}: page ids must be >= 0")
+    return pages
+
+
+def _check_count(frames: list[bytes], expected: int, message: str) -> None:
+    if not isinstance(frames, list) or not all(isinstance(frame, bytes) for frame in frames):
+        raise FrameError(f"not a {message}: expected a list of bytes frames")
+    if len(frames) != expected:
+        raise FrameError(f"not a {message}: {len(frames)} frames, expected {expected}")
 
 
 @dataclass(frozen=True)
@@ -123,34 +192,31 @@ class KVRegistration:
 
     @classmethod
     def from_frames(cls, frames: list[bytes]) -> KVRegistration:
-        version = (
-            frames[SGLANG_REGISTRATION_FRAMES] if len(frames) > SGLANG_REGISTRATION_FRAMES else None
-        )
-        if (
-            len(frames) != REGISTRATION_FRAMES
-            or frames[0] != REGISTRATION_ROOM
-            or version != REGISTRATION_VERSION
-        ):
-            raise ValueError(
-                f"not a {REGISTRATION_VERSION.decode()} KV registration: {len(frames)} frames "
-                f"(expected {REGISTRATION_FRAMES}), room {frames[0] if frames else None!r}, "
-                f"version {version!r}"
-            )
+        """Parse `to_frames` output; `FrameError` names what is malformed."""
+        message = f"{REGISTRATION_VERSION.decode()} KV registration"
+        _check_count(frames, REGISTRATION_FRAMES, message)
+        version = frames[SGLANG_REGISTRATION_FRAMES]
+        if frames[0] != REGISTRATION_ROOM or version != REGISTRATION_VERSION:
+            raise FrameError(f"not a {message}: room {frames[0][:40]!r}, version {version[:40]!r}")
         extra = SGLANG_REGISTRATION_FRAMES + 1
-        return cls(
-            endpoint=frames[1].decode("ascii"),
-            port=int(frames[2]),
-            session_id=frames[3].decode("ascii"),
-            ptrs=_unpack_u64(frames[4]),
-            aux_ptrs=_unpack_u64(frames[5]),
-            tp_rank=int(frames[7]),
-            attn_tp_size=int(frames[8]),
-            dcp_size=int(frames[16]),
-            dcp_rank=int(frames[17]),
-            item_lens=_unpack_u64(frames[19]),
-            lens=_unpack_u64(frames[extra]),
-            is_device=[bool(flag) for flag in frames[extra + 1]],
-        )
+        with _parsing(message):  # the constructor checks one entry per buffer in every list
+            is_device = frames[extra + 1]
+            if set(is_device) - {0, 1}:
+                raise FrameError(f"is_device: bytes other than 0 and 1: {is_device[:40]!r}")
+            return cls(
+                endpoint=_text(frames[1], "endpoint"),
+                port=_port(frames[2], "port"),
+                session_id=_text(frames[3], "session_id"),
+                ptrs=_unpack_u64(frames[4], "ptrs"),
+                aux_ptrs=_unpack_u64(frames[5], "aux_ptrs"),
+                tp_rank=parse_int(frames[7], "tp_rank", 0, MAX_RANKS - 1),
+                attn_tp_size=parse_int(frames[8], "attn_tp_size", 1, MAX_RANKS),
+                dcp_size=parse_int(frames[16], "dcp_size", 1, MAX_RANKS),
+                dcp_rank=parse_int(frames[17], "dcp_rank", 0, MAX_RANKS - 1),
+                item_lens=_unpack_u64(frames[19], "item_lens"),
+                lens=_unpack_u64(frames[extra], "lens"),
+                is_device=[bool(flag) for flag in is_device],
+            )
 
 
 @dataclass(frozen=True)
@@ -190,23 +256,25 @@ class TransferRequest:
         An empty request (no host pages) has empty pages in both spaces, so a
         decode side with device-backed buffers can still be planned (to nothing).
         """
-        if len(frames) != TRANSFER_REQUEST_FRAMES or frames[0] == REGISTRATION_ROOM:
-            raise ValueError(f"not a transfer request: {len(frames)} frames, room {frames[0]!r}")
-        host_pages = _int32_pages(frames[4])
-        device_pages = None
-        if frames[9] or not host_pages.size:
-            device_pages = _int32_pages(frames[9])
-        return cls(
-            room=int(frames[0]),
-            endpoint=frames[1].decode("ascii"),
-            port=int(frames[2]),
-            session_id=frames[3].decode("ascii"),
-            host_pages=host_pages,
-            device_pages=device_pages,
-            aux_index=int(frames[5]),
-            required_dst_info_num=int(frames[7]),
-            decode_prefix_len=int(frames[8]),
-        )
+        _check_count(frames, TRANSFER_REQUEST_FRAMES, "transfer request")
+        if frames[0] == REGISTRATION_ROOM:
+            raise FrameError("not a transfer request: room b'None' (a registration)")
+        with _parsing("transfer request"):
+            host_pages = parse_pages(frames[4], "host_pages")
+            device_pages = None
+            if frames[9] or not host_pages.size:
+                device_pages = parse_pages(frames[9], "device_pages")
+            return cls(
+                room=parse_int(frames[0], "room", 0, 2**64 - 1),
+                endpoint=_text(frames[1], "endpoint"),
+                port=_port(frames[2], "port"),
+                session_id=_text(frames[3], "session_id"),
+                host_pages=host_pages,
+                device_pages=device_pages,
+                aux_index=parse_int(frames[5], "aux_index", 0, INT64_MAX),
+                required_dst_info_num=parse_int(frames[7], "required_dst_info_num", 1, MAX_RANKS),
+                decode_prefix_len=parse_int(frames[8], "decode_prefix_len", 0, INT64_MAX),
+            )
 
 
 @dataclass(frozen=True)
@@ -226,8 +294,10 @@ class SourcePages:
 
     @classmethod
     def from_frames(cls, frames: list[bytes]) -> SourcePages:
-        if len(frames) != 3:
-            raise ValueError(f"not a source-pages message: {len(frames)} frames")
-        return cls(
-            room=int(frames[0]), session_id=frames[1].decode("ascii"), pages=_int32_pages(frames[2])
-        )
+        _check_count(frames, 3, "source-pages message")
+        with _parsing("source-pages message"):
+            return cls(
+                room=parse_int(frames[0], "room", 0, 2**64 - 1),
+                session_id=_text(frames[1], "session_id"),
+                pages=parse_pages(frames[2], "pages"),
+            )

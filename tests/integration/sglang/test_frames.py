@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 import gpu_planner as gp
 from gpu_planner.integration.sglang.frames import (
     SGLANG_REGISTRATION_FRAMES,
+    FrameError,
     KVRegistration,
     SourcePages,
     TransferRequest,
@@ -174,3 +175,75 @@ def test_transfer_request_for_pending_pages(with_device):
     else:
         assert parsed.device_pages is None
     assert (parsed.room, parsed.port) == (3, 17003)
+
+
+MESSAGES = {
+    "registration": (KVRegistration, lambda: _registration().to_frames()),
+    "request": (TransferRequest, lambda: _request(np.arange(5), np.arange(5)).to_frames()),
+    "source pages": (SourcePages, lambda: SourcePages(7, "127.0.0.1:1", np.arange(3)).to_frames()),
+}
+
+
+@pytest.mark.parametrize("kind", MESSAGES)
+def test_a_malformed_message_is_a_frame_error(kind):
+    check_malformed(kind)
+
+
+@given(data=st.data())
+def check_malformed(kind, data):
+    """Frames dropped, cut short, replaced by other bytes or by numbers: parsed, or a FrameError.
+
+    Never struct.error, IndexError or another exception type.
+    """
+    parser, make_frames = MESSAGES[kind]
+    frames = make_frames()
+    for _ in range(data.draw(st.integers(1, 3))):
+        index = data.draw(st.integers(0, len(frames) - 1))
+        edit = data.draw(st.sampled_from(["drop", "cut", "bytes", "number"]))
+        if edit == "drop":
+            frames = frames[:index] + frames[index + 1 :]
+        elif edit == "cut":
+            frames[index] = frames[index][: data.draw(st.integers(0, len(frames[index])))]
+        elif edit == "bytes":
+            frames[index] = data.draw(st.binary(max_size=24))
+        else:
+            frames[index] = str(data.draw(st.integers(-(2**80), 2**80))).encode()
+        if not frames:
+            break
+    try:
+        parser.from_frames(frames)
+    except FrameError as error:
+        assert str(error)
+
+
+@pytest.mark.parametrize("port", [b"-1", b"0", b"65536", b"%d" % 2**70, b"80x", b"", b"\xff"])
+@pytest.mark.parametrize("kind", ["registration", "request"])
+def test_a_port_outside_1_to_65535_does_not_parse(kind, port):
+    parser, make_frames = MESSAGES[kind]
+    frames = make_frames()
+    frames[2] = port
+    with pytest.raises(FrameError, match="port"):
+        parser.from_frames(frames)
+
+
+@pytest.mark.parametrize(
+    ("kind", "index", "value", "message"),
+    [
+        ("registration", 4, b"\x00" * 12, r"ptrs: 12 bytes is not a whole number of u64"),
+        ("registration", 19, b"\xff" * 8 * 5, r"item_lens\[0\] = 18446744073709551615"),
+        ("registration", 21, b"\x00" * 8, r"lens: has 1 entries for 5 buffers"),
+        ("registration", 22, b"\x00\x02\x00\x01\x00", "is_device: bytes other than 0 and 1"),
+        ("registration", 8, b"0", r"attn_tp_size = 0"),
+        ("request", 4, b"\x00" * 6, "host_pages: 6 bytes is not a whole number of int32"),
+        ("request", 9, b"\xff\xff\xff\xff" * 5, r"device_pages\[0\] = -1"),
+        ("request", 0, b"-5", "room = -5"),
+        ("source pages", 1, b"\xe9t\xe9", "session_id: not ASCII"),
+    ],
+)
+def test_a_frame_error_names_the_field(kind, index, value, message):
+    parser, make_frames = MESSAGES[kind]
+    frames = make_frames()
+    frames[index] = value
+    with pytest.raises(FrameError, match=message):
+        parser.from_frames(frames)
+    assert issubclass(FrameError, ValueError)
