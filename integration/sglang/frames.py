@@ -111,7 +111,7 @@ def pages_to_int32_bytes(pages: np.ndarray | torch.Tensor, name: str) -> bytes:
 
 
 def parse_pages(frame: bytes, field: str) -> np.ndarray:
-    """A writable int32 page array (>= 0) from an int32 frame; `FrameError` naming `field` otherwise.
+    """A writable int32 page array (>= 0) from a frame; `FrameError` naming `field` otherwise.
 
     Writable: torch refuses read-only NumPy buffers.
     """
