@@ -22,8 +22,10 @@ sglang's own `sglang:*` series:
 - `gpu_planner:batch_cuts_total`: batch cuts (`max_transfer_batch_indices`), one
   fewer than the batches of each send;
 - `gpu_planner:runs_per_buffer` (histogram): descriptors per buffer of each
-  generic send, that is its contiguous runs per KV buffer (1 when both page
-  lists are contiguous).
+  generic send, that is its runs per KV buffer, batch cuts included (1 when
+  both page lists are contiguous and no cut falls inside them);
+- `gpu_planner:fragmented_sends_total`: generic sends whose page lists break
+  (a batch holds two or more runs of a buffer), batch cuts aside.
 """
 
 from __future__ import annotations
@@ -58,12 +60,14 @@ def record_send(
     """Count one hooked send: `descriptors` over `buffers` KV buffers, in `batches` batches."""
     global _max_runs_per_buffer
     runs_per_buffer = -(-descriptors // buffers) if buffers else 0
+    fragmented = hook == "generic" and descriptors > buffers * batches
     with _lock:
         _sends[hook, handoff] += 1
         _totals["descriptors"] += descriptors
         _totals["bytes"] += nbytes
         _totals["plan_seconds"] += plan_seconds
         _totals["batch_cuts"] += max(batches - 1, 0)
+        _totals["fragmented_sends"] += fragmented
         _max_runs_per_buffer = max(_max_runs_per_buffer, runs_per_buffer)
     logger.debug(
         "gpu_planner: %s send, %d descriptors (%d runs per buffer, %d buffers, %d batches), "
@@ -84,6 +88,7 @@ def record_send(
         metrics["bytes"].inc(nbytes)
         metrics["plan_seconds"].inc(plan_seconds)
         metrics["batch_cuts"].inc(max(batches - 1, 0))
+        metrics["fragmented_sends"].inc(fragmented)
         if hook == "generic":
             metrics["runs_per_buffer"].observe(runs_per_buffer)
 
@@ -107,6 +112,7 @@ def snapshot() -> dict[str, Any]:
             "bytes": _totals["bytes"],
             "plan_seconds": _totals["plan_seconds"],
             "batch_cuts": _totals["batch_cuts"],
+            "fragmented_sends": _totals["fragmented_sends"],
             "max_runs_per_buffer": _max_runs_per_buffer,
         }
 
@@ -139,6 +145,9 @@ def _prometheus_metrics() -> dict[str, Any] | None:
                 "plan_seconds": Counter("gpu_planner:plan_seconds", "Time spent planning sends"),
                 "batch_cuts": Counter(
                     "gpu_planner:batch_cuts", "Batch cuts (max_transfer_batch_indices) in sends"
+                ),
+                "fragmented_sends": Counter(
+                    "gpu_planner:fragmented_sends", "Generic sends whose page lists break"
                 ),
                 "runs_per_buffer": Histogram(
                     "gpu_planner:runs_per_buffer",

@@ -24,6 +24,12 @@ def assert_same_tokens(
     assert not differ, f"{name}: {len(differ)} prompts differ (length, got, plain): {differ}"
 
 
+def sends_above(metrics: dict[str, float], runs_per_buffer: int) -> float:
+    """Sends with more than `runs_per_buffer` runs per buffer (histogram buckets above it)."""
+    histogram = runs_histogram(metrics)
+    return sum(count for bucket, count in histogram.items() if float(bucket[2:]) > runs_per_buffer)
+
+
 def runs_histogram(metrics: dict[str, float]) -> dict[str, float]:
     """Sends per `runs_per_buffer` bucket: {'<=1': n, '<=2': n, ..., '+Inf': n}, not cumulative."""
     prefix = "gpu_planner:runs_per_buffer_bucket{le="

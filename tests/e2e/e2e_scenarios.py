@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 from tests.e2e.e2e_client import prompt_set
-from tests.e2e.e2e_servers import ServerSpec, free_port, sglang_spec
+from tests.e2e.e2e_servers import ServerSpec, sglang_spec
 
 MIXED_LENGTHS = (
     5, 17, 40, 64, 90, 97, 120, 150, 200, 260, 300, 333,
@@ -56,7 +56,7 @@ def prefill_spec(
         "--max-total-tokens", str(POOL_TOKENS),
         "--chunked-prefill-size", str(CHUNKED_PREFILL_TOKENS),
         env={**_batch_env(batch_pages), **(env or {})},
-        bootstrap_port=free_port(), python_path=python_path,
+        python_path=python_path,
     )  # fmt: skip
 
 

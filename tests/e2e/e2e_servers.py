@@ -34,6 +34,7 @@ import requests
 LOCALHOST = "127.0.0.1"
 SCAFFOLDING = Path(__file__).resolve().parent / "scaffolding"
 START_TIMEOUT_S = 240.0  # start-up takes 30-75 s alone; several servers share 2 cores
+START_ATTEMPTS = 3
 STOP_GRACE_S = 20.0
 
 CPU_FLAGS = (
@@ -107,7 +108,7 @@ class ServerSpec:
     args: tuple[str, ...]
     env: tuple[tuple[str, str], ...] = ()
     command: tuple[str, ...] = (sys.executable, "-m", "sglang.launch_server")
-    bootstrap_port: int | None = None
+    bootstrap: bool = False  # a prefill server: it gets a free disaggregation bootstrap port
     python_path: tuple[str, ...] = ()  # folders ahead of the scaffolding on PYTHONPATH
     ready_path: str = "/health"  # answers 200 once the server takes requests
 
@@ -119,22 +120,19 @@ def sglang_spec(
     role: str,
     *extra: str,
     env: dict[str, str] | None = None,
-    bootstrap_port: int | None = None,
     python_path: tuple[str, ...] = (),
 ) -> ServerSpec:
     """A `plain`, `prefill` or `decode` sglang server of `model` with CPU flags and `extra`."""
     args = ("--model-path", str(model), "--page-size", str(page_size), *CPU_FLAGS)
     if role == "prefill":
         args += (*PD_FLAGS, "--disaggregation-mode", "prefill")
-        args += ("--disaggregation-bootstrap-port", str(bootstrap_port))
     elif role == "decode":
         args += (*PD_FLAGS, *DECODE_FLAGS)
     elif role != "plain":
         raise ValueError(f"unknown role {role!r}")
     env_items = tuple((env or {}).items())
-    return ServerSpec(
-        name, args + extra, env_items, bootstrap_port=bootstrap_port, python_path=python_path
-    )
+    bootstrap = role == "prefill"
+    return ServerSpec(name, args + extra, env_items, bootstrap=bootstrap, python_path=python_path)
 
 
 def router_spec(prefills: Sequence[Server], decode: Server) -> ServerSpec:
@@ -160,11 +158,13 @@ def server_env(spec: ServerSpec) -> dict[str, str]:
     return env
 
 
-def start(spec: ServerSpec, log_dir: Path) -> Server:
-    """Start `spec` on a free port in a new process group, logging to `log_dir/<name>.log`."""
+def start(spec: ServerSpec, log_path: Path) -> Server:
+    """Start `spec` on free ports in a new process group, logging to `log_path`."""
     port = free_port()
-    log_path = log_dir / f"{spec.name}.log"
+    bootstrap_port = free_port() if spec.bootstrap else None
     command = [*spec.command, *spec.args, "--host", LOCALHOST, "--port", str(port)]
+    if bootstrap_port is not None:
+        command += ["--disaggregation-bootstrap-port", str(bootstrap_port)]
     with log_path.open("w") as log:
         log.write(" ".join(command) + "\n")
         log.flush()
@@ -176,40 +176,56 @@ def start(spec: ServerSpec, log_dir: Path) -> Server:
             start_new_session=True,
         )
     url = f"http://{LOCALHOST}:{port}"
-    return Server(spec.name, url, process, log_path, spec.bootstrap_port, spec.ready_path)
+    return Server(spec.name, url, process, log_path, bootstrap_port, spec.ready_path)
 
 
-def wait_ready(servers: Sequence[Server]) -> None:
-    """Wait until every server answers its ready path with 200; raise with its log if it dies."""
-    deadline = time.monotonic() + START_TIMEOUT_S
-    waiting = {server.name: server for server in servers}
-    while waiting:
-        for name, server in list(waiting.items()):
-            if server.process.poll() is not None:
-                raise RuntimeError(
-                    f"{name} exited with {server.process.returncode} during start-up; "
-                    f"log {server.log_path}:\n{server.log_tail()}"
-                )
-            with contextlib.suppress(requests.RequestException):
-                if requests.get(server.url + server.ready_path, timeout=5).status_code == 200:
-                    del waiting[name]
-        if waiting and time.monotonic() > deadline:
-            raise TimeoutError(
-                f"{', '.join(waiting)} not ready after {START_TIMEOUT_S:.0f} s; "
-                f"logs in {servers[0].log_path.parent}"
-            )
-        time.sleep(1.0)
+def _ready(server: Server) -> bool:
+    """True once `server` answers its ready path; raise with its log if it exited."""
+    if server.process.poll() is not None:
+        raise RuntimeError(
+            f"{server.name} exited with {server.process.returncode} during start-up; "
+            f"log {server.log_path}:\n{server.log_tail()}"
+        )
+    with contextlib.suppress(requests.RequestException):
+        return requests.get(server.url + server.ready_path, timeout=5).status_code == 200
+    return False
+
+
+def _port_taken(server: Server) -> bool:
+    """The server lost a race for one of its ports (free when picked, taken before it bound)."""
+    return "address already in use" in server.log_path.read_text(errors="replace").lower()
 
 
 @contextlib.contextmanager
 def servers_running(specs: Sequence[ServerSpec], log_dir: Path) -> Iterator[dict[str, Server]]:
-    """Start `specs` together, wait until all are ready, yield them by name; always stop them."""
-    started: list[Server] = []
+    """Start `specs` together, wait until all are ready, yield them by name; always stop them.
+
+    A server that lost one of its ports to another process is stopped and
+    started again on new ports (its earlier log kept as `<name>.<attempt>.log`).
+    """
+    servers = {spec.name: start(spec, log_dir / f"{spec.name}.log") for spec in specs}
     try:
-        for spec in specs:
-            started.append(start(spec, log_dir))
-        wait_ready(started)
-        yield {server.name: server for server in started}
+        specs_by_name = {spec.name: spec for spec in specs}
+        attempts = dict.fromkeys(servers, 1)
+        deadline = time.monotonic() + START_TIMEOUT_S
+        waiting = set(servers)
+        while waiting:
+            for name in sorted(waiting):
+                server = servers[name]
+                if _port_taken(server) and attempts[name] < START_ATTEMPTS:
+                    server.stop()
+                    server.log_path.rename(log_dir / f"{name}.{attempts[name]}.log")
+                    attempts[name] += 1
+                    servers[name] = start(specs_by_name[name], log_dir / f"{name}.log")
+                elif _ready(server):
+                    waiting.discard(name)
+            if waiting and time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"{', '.join(sorted(waiting))} not ready after {START_TIMEOUT_S:.0f} s; "
+                    f"logs in {log_dir}"
+                )
+            time.sleep(1.0)
+        yield servers
     finally:
-        for server in reversed(started):
+        for server in reversed(list(servers.values())):
             server.stop()

@@ -32,6 +32,7 @@ def test_snapshot_counts_sends_and_logs_one_debug_line_each(caplog):
     assert after["descriptors"] - before["descriptors"] == 48
     assert after["bytes"] - before["bytes"] == 4160
     assert after["batch_cuts"] - before["batch_cuts"] == 2
+    assert after["fragmented_sends"] - before["fragmented_sends"] == 1  # 10 runs > 3 batches
     assert after["max_runs_per_buffer"] >= 10
     lines = [r.getMessage() for r in caplog.records if r.levelno == logging.DEBUG]
     assert len(lines) == 2
@@ -62,5 +63,6 @@ def test_metrics_reach_another_process_through_the_multiprocess_folder(tmp_path)
     assert 'gpu_planner:fallbacks_total{reason="pages"} 1.0' in exposition
     assert "gpu_planner:descriptors_total 40.0" in exposition
     assert "gpu_planner:batch_cuts_total 2.0" in exposition
+    assert "gpu_planner:fragmented_sends_total 1.0" in exposition
     assert 'gpu_planner:runs_per_buffer_bucket{le="8.0"} 0.0' in exposition
     assert 'gpu_planner:runs_per_buffer_bucket{le="16.0"} 1.0' in exposition
