@@ -125,6 +125,15 @@ LAYOUT_CACHE_SIZE = Setting(
     "an integer >= 1",
     "peer buffer layouts each sglang hook keeps built (read when the plugin loads)",
 )
+GATHER_STAGING_BYTES = Setting(
+    "GPU_PLANNER_GATHER_STAGING_BYTES",
+    128 << 20,
+    _count(0),
+    "an integer >= 0",
+    "bytes of staging, registered with Mooncake once per KV manager, that head-sliced sends "
+    "from a lower prefill TP gather into (two halves: one gathered while the other is sent); "
+    "0 sends per-token descriptors",
+)
 BATCH_TIMEOUT_S = Setting(
     "GPU_PLANNER_BATCH_TIMEOUT_S",
     60.0,
@@ -139,5 +148,6 @@ SETTINGS: tuple[Setting, ...] = (
     STAGING_RETAINED_BYTES,
     ADDRESS_RETAINED_BYTES,
     LAYOUT_CACHE_SIZE,
+    GATHER_STAGING_BYTES,
     BATCH_TIMEOUT_S,
 )

@@ -1,0 +1,341 @@
+"""Head-sliced KV sends gathered into registered staging: whole decode pages, equal-TP counts.
+
+When the prefill's attention TP is below the decode's, each decode rank takes
+one head range of every prefill token and holds it as whole token slots of its
+own pages. sglang's `send_kvcache_slice` sends one descriptor per token per
+K/V buffer per layer; here each chunk of K/V buffers is first gathered
+(`gpu_planner.head_gather`) into a staging region laid out as the decode
+pages, then sent as one descriptor per run of consecutive decode pages per
+buffer: the descriptor count of an equal-TP send of the same pages, or fewer.
+
+Staging: one region per `MooncakeKVManager` of `GPU_PLANNER_GATHER_STAGING_BYTES`
+bytes on the KV's device (the current CUDA device's when CUDA is in use,
+else host memory), registered with the manager's engine through sglang's own
+wrapper (`register`/`deregister`) on the first gathered send, and kept while
+the manager lives. It is cut into two slots: while one slot's chunk is on the
+wire, the next chunk is gathered into the other. A slot is lent to one chunk
+at a time and comes back when that chunk's engine call has ended (or was
+cancelled before it started), never earlier, whatever the send's status.
+
+Order on CUDA: the gather runs on the current stream of the KV device, after
+whatever that stream ran before (the forward pass that wrote the KV), and the
+chunk's engine call waits on an event recorded after the gather. Every CUDA
+call goes through `cuda_runtime()`.
+
+`send_gathered` returns None where the send should take sglang's per-token
+descriptors instead (staging off, not allocatable or registrable, a chunk
+that cannot fit, a layout whose staged pages are not whole decode pages),
+logged once per reason with the size it needed.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+import time
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from gpu_planner import settings
+from gpu_planner.cuda_runtime import cuda_runtime
+from gpu_planner.cuda_streams import on_torch_device
+from gpu_planner.errors import PlanValidationError
+from gpu_planner.head_gather import chunk_layout, gather_head_slices, gathered_descriptors
+from gpu_planner.head_slices import HeadSliceLayout
+from gpu_planner.integration.sglang.adapter import sglang_handoff
+from gpu_planner.integration.sglang.counters import record_send
+from gpu_planner.integration.sglang.fallback import log_fallback_once
+
+SLOTS = 2  # one chunk on the wire while the next is gathered
+SLOT_ALIGNMENT = 256  # bytes: every slot starts as aligned as the region (the kernel's widest lane)
+
+
+def gathers(src_attn_tp_size: int, dst_attn_tp_size: int) -> bool:
+    """Whether a head-sliced send between these attention TP sizes takes the gathered path.
+
+    Prefill TP below decode TP (replication included): each decode token slot
+    is written whole by one prefill rank. Above it, several prefill ranks
+    write parts of each decode slot: per-token descriptors.
+    """
+    return src_attn_tp_size < dst_attn_tp_size
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """Entries (K/V buffers, in the layout's order) and page positions one staging slot holds."""
+
+    entries: slice
+    pages: slice
+
+
+def plan_chunks(
+    num_entries: int, num_pages: int, page_bytes: int, slot_bytes: int
+) -> list[Chunk] | None:
+    """Chunks of at most `slot_bytes` staged bytes each; None when one staged page does not fit.
+
+    Whole entries while a slot holds every page of one: as many entries per
+    chunk as fit (one engine call each), so no run of pages is cut. Else one
+    entry per chunk, its pages cut into slot-sized pieces (a run crossing a
+    cut becomes two descriptors).
+    """
+    pages_per_slot = slot_bytes // page_bytes
+    if pages_per_slot == 0:
+        return None
+    if num_pages <= pages_per_slot:
+        per_chunk = pages_per_slot // max(num_pages, 1)
+        return [
+            Chunk(slice(first, min(first + per_chunk, num_entries)), slice(0, num_pages))
+            for first in range(0, num_entries, per_chunk)
+        ]
+    return [
+        Chunk(slice(entry, entry + 1), slice(first, min(first + pages_per_slot, num_pages)))
+        for entry in range(num_entries)
+        for first in range(0, num_pages, pages_per_slot)
+    ]
+
+
+class GatherStaging:
+    """A registered staging region cut into `SLOTS` slots, each lent to one chunk at a time."""
+
+    def __init__(self, manager: Any, nbytes: int, torch_device: torch.device) -> None:
+        """Allocate `nbytes` on `torch_device`, registered with `manager`'s engine wrapper
+        until `release()` or the manager's end.
+
+        Raises what the allocation or sglang's `register` raises (RuntimeError).
+        """
+        slot_bytes = nbytes // SLOTS // SLOT_ALIGNMENT * SLOT_ALIGNMENT
+        if slot_bytes == 0:
+            raise RuntimeError(f"{nbytes} bytes make no {SLOTS} slots of {SLOT_ALIGNMENT} bytes")
+        self.torch_device = torch_device
+        self.slot_bytes = slot_bytes
+        self.region = torch.empty(SLOTS * slot_bytes, dtype=torch.uint8, device=torch_device)
+        self._wrapper = manager.engine
+        self._wrapper.register(self.region.data_ptr(), self.region.numel())
+        self._free = list(range(SLOTS))
+        self._slot_free = threading.Condition()
+        self.release = weakref.finalize(manager, self._deregister)
+
+    def slot(self, index: int) -> torch.Tensor:
+        """Slot `index` of the region (a uint8 view)."""
+        return self.region[index * self.slot_bytes : (index + 1) * self.slot_bytes]
+
+    def take(self) -> int:
+        """A free slot, waiting until a chunk's engine call ends if none is free."""
+        with self._slot_free:
+            self._slot_free.wait_for(lambda: self._free)
+            return self._free.pop(0)
+
+    def give_back(self, index: int) -> None:
+        """Slot `index` is free again: the engine call that read it has ended."""
+        with self._slot_free:
+            self._free.append(index)
+            self._slot_free.notify()
+
+    @property
+    def free_slots(self) -> int:
+        with self._slot_free:
+            return len(self._free)
+
+    def _deregister(self) -> None:
+        """Deregister the region from the engine (every slot must be free)."""
+        with self._slot_free:
+            if len(self._free) != SLOTS:
+                raise RuntimeError("gather staging closed while a chunk is in flight")
+        self._wrapper.deregister(self.region.data_ptr())
+
+
+class _NoStaging:
+    """Why a manager has no staging (remembered so that no later send tries again)."""
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+
+
+_stagings: weakref.WeakKeyDictionary[Any, GatherStaging | _NoStaging] = weakref.WeakKeyDictionary()
+_stagings_lock = threading.Lock()
+
+
+def kv_torch_device() -> torch.device:
+    """Where sglang's KV lives in this process: the current CUDA device once CUDA is in use."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def staging_for(manager: Any) -> GatherStaging | str:
+    """`manager`'s staging, allocated and registered on first use; else why it has none."""
+    with _stagings_lock:
+        staging = _stagings.get(manager)
+        if staging is None:
+            staging = _new_staging(manager)
+            _stagings[manager] = staging
+    return staging.reason if isinstance(staging, _NoStaging) else staging
+
+
+def _new_staging(manager: Any) -> GatherStaging | _NoStaging:
+    nbytes = settings.get(settings.GATHER_STAGING_BYTES)
+    if nbytes == 0:
+        return _NoStaging(f"{settings.GATHER_STAGING_BYTES.name}=0")
+    try:
+        return GatherStaging(manager, nbytes, kv_torch_device())
+    except (RuntimeError, MemoryError) as error:  # torch's out-of-memory is a RuntimeError
+        return _NoStaging(f"{nbytes} bytes could not be allocated and registered ({error})")
+
+
+def release_staging(manager: Any) -> None:
+    """Deregister and forget `manager`'s staging (tests; a process keeps it while it serves)."""
+    with _stagings_lock:
+        staging = _stagings.pop(manager, None)
+    if isinstance(staging, GatherStaging):
+        staging.release()
+
+
+def send_gathered(
+    manager: Any,
+    session: str,
+    layout: HeadSliceLayout,
+    pages: tuple[np.ndarray, np.ndarray],
+    executor: concurrent.futures.Executor,
+) -> int | None:
+    """Send `layout`'s head slices of `pages` gathered, with sglang's status; None: per-token.
+
+    Args:
+        manager: sglang's `MooncakeKVManager` (its engine wrapper, registered
+            KV buffers and `_await_transfer_futures`).
+        session: the decode peer's Mooncake session.
+        layout: the send's K/V buffers in sglang's order (`send_slice`'s,
+            bounds already checked).
+        pages: (prefill pages, decode pages), equal-length int arrays.
+        executor: sglang's executor: the chunks' engine calls run there.
+
+    Returns:
+        0 or the first failing engine status, as sglang's send returns it;
+        None (logged once per reason) where the send needs per-token descriptors.
+    """
+    started = time.perf_counter()
+    src_pages, dst_pages = pages
+    if not src_pages.size:
+        return 0  # sglang makes no engine call
+    staging = staging_for(manager)
+    page_bytes = int(layout.geometry[1, 1].max())
+    if page_bytes == 0:
+        return _per_token("decode pages of 0 bytes", 0)
+    if isinstance(staging, str):
+        return _per_token(f"no gather staging: {staging}", SLOTS * page_bytes)
+    chunks = plan_chunks(layout.num_layers, src_pages.size, page_bytes, staging.slot_bytes)
+    if chunks is None:
+        return _per_token(
+            f"a staged page of {page_bytes} bytes does not fit a {staging.slot_bytes}-byte slot",
+            SLOTS * page_bytes,
+        )
+    src_lens = _registered_lens(manager.kv_args, layout)
+    if isinstance(src_lens, str):
+        return _per_token(src_lens, 0)
+    try:
+        columns = [
+            gathered_descriptors(chunk_layout(layout, chunk.entries), dst_pages[chunk.pages], 0)
+            for chunk in chunks
+        ]
+    except PlanValidationError as error:
+        log_fallback_once(f"a gathered send was rejected ({error})", key="gather rejected")
+        return None
+    engine_handoff = sglang_handoff(manager.engine)
+    record_send(
+        "gathered",
+        engine_handoff.form,
+        sum(column.shape[1] for column in columns),
+        sum(int(column[2].sum()) for column in columns),
+        time.perf_counter() - started,
+        layout.num_layers,
+        len(chunks),
+    )
+
+    def transfer(ready: Any, srcs: np.ndarray, dsts: np.ndarray, lens: np.ndarray) -> int:
+        if ready is not None:
+            ready.synchronize()  # the gather has written the slot
+        return engine_handoff.call(session, *engine_handoff.columns(srcs, dsts, lens))
+
+    futures: list[concurrent.futures.Future] = []
+    for chunk, (offsets, dsts, lens) in zip(chunks, columns, strict=True):
+        slot = staging.take()  # may wait for an earlier chunk's call to end: check after it
+        if _failed(futures):
+            staging.give_back(slot)
+            break  # sglang stops at a failed layer; no more chunks are gathered
+        try:
+            ready = _gather(staging, slot, layout, chunk, src_pages, src_lens)
+            srcs = offsets + staging.slot(slot).data_ptr()
+            future = executor.submit(transfer, ready, srcs, dsts, lens)
+        except BaseException:
+            staging.give_back(slot)
+            raise
+        future.add_done_callback(_giving_back(staging, slot))
+        futures.append(future)
+    return manager._await_transfer_futures(futures)
+
+
+def _per_token(reason: str, needed: int) -> None:
+    """Log once why a gathered send takes per-token descriptors (None: the caller's signal)."""
+    log_fallback_once(
+        f"a head-sliced send takes per-token descriptors: {reason}"
+        + (f" (it needs at least {needed} bytes of staging)" if needed else ""),
+        key="gather unavailable",
+    )
+
+
+def _registered_lens(kv_args: Any, layout: HeadSliceLayout) -> np.ndarray | str:
+    """Each entry's registered source bytes (`kv_data_lens` of its buffer), or why not known."""
+    registered = {
+        int(ptr): int(nbytes)
+        for ptr, nbytes in zip(kv_args.kv_data_ptrs, kv_args.kv_data_lens, strict=False)
+    }
+    lens = [registered.get(int(ptr)) for ptr in layout.geometry[0, 0]]
+    if None in lens:
+        return "a source buffer that is not one of kv_args.kv_data_ptrs"
+    return np.array(lens, dtype=np.int64)
+
+
+def _gather(
+    staging: GatherStaging,
+    slot: int,
+    layout: HeadSliceLayout,
+    chunk: Chunk,
+    src_pages: np.ndarray,
+    src_lens: np.ndarray,
+) -> Any:
+    """Gather `chunk` into `slot`; the event its engine call waits on (None: already written).
+
+    On a device the gather runs on the current stream, after the work queued
+    there before it (the forward pass that wrote the KV).
+    """
+    runtime = cuda_runtime()
+    with on_torch_device(staging.torch_device):
+        gather_head_slices(
+            chunk_layout(layout, chunk.entries),
+            src_pages[chunk.pages],
+            staging.slot(slot),
+            src_lens[chunk.entries],
+        )
+        if not runtime.runs_on_device(staging.torch_device):
+            return None
+        ready = runtime.new_event()
+        ready.record(runtime.current_stream(staging.torch_device))
+        return ready
+
+
+def _giving_back(staging: GatherStaging, slot: int) -> Callable[[concurrent.futures.Future], None]:
+    """A done callback: the slot is free once its engine call ended or was cancelled unstarted."""
+    return lambda _: staging.give_back(slot)
+
+
+def _failed(futures: list[concurrent.futures.Future]) -> bool:
+    """Whether an ended engine call failed (non-zero status or raised)."""
+    for future in futures:
+        ended = future.done() and not future.cancelled()
+        if ended and (future.exception() is not None or future.result() != 0):
+            return True
+    return False

@@ -1,0 +1,466 @@
+"""Gathered head-sliced sends land what sglang's `send_kvcache_slice` lands, in fewer descriptors.
+
+sglang's send and the hooked one run on the same real `MooncakeKVManager`
+state over hypothesis-drawn configurations (test_send_slice's scenarios:
+KV heads, head sizes, page sizes, TP sizes both ways with replication, rank
+pairs, PP stages, draft layers paired by layer id), with real source buffers
+and a raw engine that copies each call's bytes into fake decode buffers at
+call time, after checking that every source lies in memory registered with
+it. Prefill TP below decode TP takes the gathered path (one descriptor per
+run of decode pages per buffer); above it, per-token descriptors. Either way
+every decode byte, the status, the error and sglang's log lines match.
+Then the staging's rules: registered once per manager, a slot lent until its
+call has ended, the next chunk gathered while the current one is sent,
+sglang's status on failures, per-token descriptors when staging cannot be
+had, and on the CUDA path the engine call waiting on the gather's event.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import ctypes
+import inspect
+import threading
+
+import numpy as np
+import pytest
+from hypothesis import assume, given
+from hypothesis import strategies as st
+from sglang_plugin_support import conn, make_manager
+from test_send_handoff import ArraysEngine, ListEngine, sglang_wrapper
+from test_send_slice import (
+    BUFFER_SPAN,
+    DST_BASE,
+    ONE_THREAD,
+    SESSION,
+    kv_slice_scenarios,
+    leaves_a_token_slot,
+    run,
+)
+
+from gpu_planner.integration.sglang import counters, fallback, gathered
+from gpu_planner.reference import group_runs
+from tests.test_head_gather import page_lists
+
+ORIGINAL = inspect.unwrap(conn.MooncakeKVManager.send_kvcache_slice)
+POOL_PAGES = 12  # pages of every source and decode buffer
+STAGING_ENV = "GPU_PLANNER_GATHER_STAGING_BYTES"
+WAIT_S = 30.0  # bound on every wait of a test thread
+
+
+def hooked_send():
+    return conn.MooncakeKVManager.send_kvcache_slice
+
+
+class MovesBytes:
+    """A raw engine over real memory: each call's bytes land in fake decode buffers at call time.
+
+    Before a call copies anything it checks every source lies in one region
+    registered with it (`register_memory`) and every destination in one decode
+    buffer; a call outside either raises (sglang's wrapper makes that -1).
+    """
+
+    def __init__(self, regions: dict[int, int], decode: dict[int, np.ndarray], **failures):
+        super().__init__(**failures)
+        self.registered = dict(regions)  # address -> bytes
+        self.registrations: list[tuple[int, int]] = []
+        self.decode = decode  # fake decode buffer address -> its bytes
+
+    def register_memory(self, address: int, nbytes: int) -> int:
+        self.registered[address] = nbytes
+        self.registrations.append((address, nbytes))
+        return 0
+
+    def unregister_memory(self, address: int) -> int:
+        return 0 if self.registered.pop(address, None) is not None else -1
+
+    def _record(self, session: str, srcs, dsts, lens) -> int:
+        status = super()._record(session, srcs, dsts, lens)
+        if status == 0:
+            self._copy(srcs, dsts, lens)
+        return status
+
+    def _copy(self, srcs, dsts, lens) -> None:
+        columns = [np.asarray(column, dtype=np.int64).tolist() for column in (srcs, dsts, lens)]
+        for src, dst, length in zip(*columns, strict=True):
+            if not any(a <= src and src + length <= a + n for a, n in self.registered.items()):
+                raise ValueError(f"source {src:#x} + {length} is not registered memory")
+            target = self._decode_view(dst, length)
+            target[:] = np.ctypeslib.as_array((ctypes.c_uint8 * length).from_address(src))
+
+    def _decode_view(self, address: int, length: int) -> np.ndarray:
+        for base, array in self.decode.items():
+            if base <= address and address + length <= base + array.size:
+                return array[address - base : address - base + length]
+        raise ValueError(f"destination {address:#x} + {length} is in no decode buffer")
+
+
+class ListMemoryEngine(MovesBytes, ListEngine):
+    """Mooncake <= 0.3.13's list API, moving bytes."""
+
+
+class ArraysMemoryEngine(MovesBytes, ArraysEngine):
+    """Mooncake 0.3.14's arrays API, moving bytes."""
+
+
+def real_memory(scenario: dict, src_pages: np.ndarray, dst_pages: np.ndarray, seed: int):
+    """`scenario` on real source buffers of random bytes with these pages; (scenario, decode).
+
+    Source buffers hold POOL_PAGES pages each; decode buffers stay at the
+    scenario's made-up addresses, backed by the returned arrays.
+    """
+    rng = np.random.default_rng(seed)
+    kv_args, call = dict(scenario["kv_args"]), dict(scenario["call"])
+    sources = [
+        rng.integers(0, 256, POOL_PAGES * item_len, dtype=np.uint8)
+        for item_len in kv_args["kv_item_lens"]
+    ]
+    kv_args["kv_data_ptrs"] = [source.ctypes.data for source in sources]
+    kv_args["kv_data_lens"] = [source.nbytes for source in sources]
+    call["prefill_kv_indices"] = src_pages
+    call["dst_kv_indices"] = dst_pages
+    decode = {
+        ptr: rng.integers(0, 256, POOL_PAGES * max(call["dst_kv_item_len"], 0), dtype=np.uint8)
+        for ptr in call["dst_kv_ptrs"]
+    }
+    return {**scenario, "kv_args": kv_args, "call": call, "sources": sources}, decode
+
+
+def copy_of(decode: dict[int, np.ndarray]) -> dict[int, np.ndarray]:
+    return {ptr: array.copy() for ptr, array in decode.items()}
+
+
+def registered(scenario: dict) -> dict[int, int]:
+    kv_args = scenario["kv_args"]
+    return dict(zip(kv_args["kv_data_ptrs"], kv_args["kv_data_lens"], strict=True))
+
+
+def staging_bytes_for(slot_pages: int, page_bytes: int) -> int:
+    """Staging whose two slots hold at least `slot_pages` decode pages each."""
+    slot = -(-max(slot_pages * page_bytes, 1) // gathered.SLOT_ALIGNMENT) * gathered.SLOT_ALIGNMENT
+    return gathered.SLOTS * slot
+
+
+@pytest.mark.parametrize(
+    "raw_type", [ListMemoryEngine, ArraysMemoryEngine], ids=["lists", "arrays"]
+)
+@pytest.mark.parametrize("gathered_only", [False, True], ids=["both-ways", "lower-prefill-tp"])
+def test_hooked_send_lands_sglangs_bytes(raw_type, gathered_only, monkeypatch):
+    form = "lists" if raw_type is ListMemoryEngine else "arrays"
+    before = counters.snapshot()["sends"].get(f"gathered/{form}", 0)
+    check_same_bytes(raw_type, gathered_only, monkeypatch)
+    assert (
+        counters.snapshot()["sends"].get(f"gathered/{form}", 0) >= before + 1 + 15 * gathered_only
+    )
+
+
+@given(data=st.data())
+def check_same_bytes(raw_type, gathered_only, monkeypatch, data):
+    fake = data.draw(kv_slice_scenarios())
+    assume(takes_gathered_path(fake) or not gathered_only)
+    num_pages = len(fake["call"]["prefill_kv_indices"])
+    dtype = fake["call"]["prefill_kv_indices"].dtype
+    src_pages = data.draw(page_lists(num_pages, POOL_PAGES)).astype(dtype)
+    dst_pages = data.draw(page_lists(num_pages, POOL_PAGES)).astype(dtype)
+    fake["call"] = {**fake["call"], "prefill_kv_indices": src_pages, "dst_kv_indices": dst_pages}
+    sglang_calls = run(ORIGINAL, fake, ArraysEngine(), ONE_THREAD)["calls"]
+    assume_inside = not leaves_a_token_slot(fake, sglang_calls)
+    slot_pages = data.draw(st.sampled_from([None, None, 1, 2, 7]))
+    dst_item_len = fake["call"]["dst_kv_item_len"]
+    if slot_pages is not None and dst_item_len > 0:
+        monkeypatch.setenv(STAGING_ENV, str(staging_bytes_for(slot_pages, dst_item_len)))
+    else:
+        monkeypatch.delenv(STAGING_ENV, raising=False)
+    scenario, decode = real_memory(fake, src_pages, dst_pages, seed=data.draw(st.integers(0, 9)))
+    expected_decode, actual_decode = copy_of(decode), copy_of(decode)
+    expected = run(ORIGINAL, scenario, raw_type(registered(scenario), expected_decode), ONE_THREAD)
+    raw = raw_type(registered(scenario), actual_decode)
+    actual = run(hooked_send(), scenario, raw, ONE_THREAD)
+    if not assume_inside:  # sglang would read across token slots: the hook refuses
+        assert (actual["status"], actual["calls"]) == (-1, [])
+        return
+    assert (actual["status"], actual["error"], actual["log"]) == (
+        expected["status"],
+        expected["error"],
+        expected["log"],
+    )
+    for ptr in decode:
+        np.testing.assert_array_equal(actual_decode[ptr], expected_decode[ptr])
+    if expected["status"] == 0 and expected["calls"] and takes_gathered_path(scenario):
+        num_entries = len(expected["calls"])  # sglang: one call per K/V buffer of every layer
+        descriptors = sum(len(call[3]) for call in raw.calls)
+        dst_runs = len(group_runs(range(num_pages), dst_pages.tolist()))
+        equal_tp = num_entries * len(group_runs(src_pages.tolist(), dst_pages.tolist()))
+        if slot_pages is None or slot_pages >= num_pages:  # whole entries per chunk
+            assert descriptors == num_entries * dst_runs <= equal_tp
+        assert len(raw.calls) < num_entries or num_entries == 1 or slot_pages is not None
+    elif expected["calls"]:
+        assert raw.calls == expected["calls"]  # per-token: sglang's calls
+
+
+def takes_gathered_path(scenario: dict) -> bool:
+    """A lower prefill TP, and staged pages that are whole decode pages (sglang's head size)."""
+    kv_args, call = scenario["kv_args"], scenario["call"]
+    total_heads = kv_args["total_kv_head_num"] or kv_args["kv_head_num"] * scenario["tp"]
+    dst_heads = max(1, total_heads // call["dst_attn_tp_size"])
+    page_size, item_len = kv_args["page_size"], call["dst_kv_item_len"]
+    head_len = item_len // page_size // dst_heads
+    whole = item_len > 0 and item_len == page_size * dst_heads * head_len
+    return whole and gathered.gathers(scenario["tp"], call["dst_attn_tp_size"])
+
+
+def test_plan_chunks_takes_whole_entries_while_a_slot_holds_all_pages():
+    assert gathered.plan_chunks(5, 3, 100, 700) == [
+        gathered.Chunk(slice(0, 2), slice(0, 3)),
+        gathered.Chunk(slice(2, 4), slice(0, 3)),
+        gathered.Chunk(slice(4, 5), slice(0, 3)),
+    ]
+    assert gathered.plan_chunks(2, 5, 100, 200) == [
+        gathered.Chunk(slice(entry, entry + 1), pages)
+        for entry in range(2)
+        for pages in (slice(0, 2), slice(2, 4), slice(4, 5))
+    ]
+    assert gathered.plan_chunks(2, 5, 100, 99) is None
+
+
+@pytest.mark.parametrize(
+    ("src_tp", "dst_tp", "gathers"), [(2, 4, True), (1, 16, True), (4, 2, False), (4, 4, False)]
+)
+def test_only_a_lower_prefill_tp_gathers(src_tp, dst_tp, gathers):
+    assert gathered.gathers(src_tp, dst_tp) is gathers
+
+
+# TP2 rank 0 -> TP4 rank 1 of 8 KV heads, 16-byte heads, page size 4: 128-byte decode pages.
+TOTAL_HEADS, HEAD_BYTES, PAGE_SIZE = 8, 16, 4
+SRC_ITEM_LEN, DST_ITEM_LEN = PAGE_SIZE * 4 * HEAD_BYTES, PAGE_SIZE * 2 * HEAD_BYTES
+
+
+def tp2_to_tp4(num_layers: int, num_pages: int) -> tuple[dict, dict[int, np.ndarray]]:
+    """A real-memory `send_kvcache_slice` of `num_layers` layers and `num_pages` shuffled pages."""
+    rng = np.random.default_rng(num_layers)
+    buffers = 2 * num_layers
+    fake = {
+        "kv_args": {
+            "kv_item_lens": [SRC_ITEM_LEN] * buffers,
+            "kv_layer_ids": [],
+            "page_size": PAGE_SIZE,
+            "engine_rank": 0,
+            "kv_head_num": TOTAL_HEADS // 2,
+            "total_kv_head_num": TOTAL_HEADS,
+        },
+        "call": {
+            "mooncake_session_id": SESSION,
+            "dst_kv_ptrs": [DST_BASE + index * BUFFER_SPAN for index in range(buffers)],
+            "dst_tp_rank": 1,
+            "dst_attn_tp_size": 4,
+            "dst_kv_item_len": DST_ITEM_LEN,
+        },
+        "manager": {},
+        "tp": 2,
+    }
+    src_pages, dst_pages = (rng.permutation(POOL_PAGES)[:num_pages] for _ in range(2))
+    return real_memory(fake, src_pages, dst_pages, seed=num_layers)
+
+
+def manager_for(scenario: dict, raw) -> conn.MooncakeKVManager:
+    manager = make_manager(sglang_wrapper(raw), **scenario["manager"])
+    for name, value in scenario["kv_args"].items():
+        setattr(manager.kv_args, name, value)
+    manager.attn_tp_size = scenario["tp"]
+    return manager
+
+
+def send(manager, scenario: dict, executor) -> int:
+    return hooked_send()(manager, **scenario["call"], executor=executor)
+
+
+def test_staging_is_registered_once_per_manager_and_deregistered_on_release(monkeypatch):
+    monkeypatch.setenv(STAGING_ENV, str(staging_bytes_for(1, DST_ITEM_LEN)))
+    scenario, decode = tp2_to_tp4(num_layers=2, num_pages=3)
+    raw = ArraysMemoryEngine(registered(scenario), decode)
+    manager = manager_for(scenario, raw)
+    for _ in range(2):
+        assert send(manager, scenario, ONE_THREAD) == 0
+    staging = gathered.staging_for(manager)
+    assert raw.registrations == [(staging.region.data_ptr(), staging.region.numel())]
+    assert staging.region.numel() == staging_bytes_for(1, DST_ITEM_LEN)
+    assert len(raw.calls) == 2 * 4 * 2  # two sends, four buffers, pages 0-1 and 2 (256-byte slots)
+    gathered.release_staging(manager)
+    assert staging.region.data_ptr() not in raw.registered
+
+
+class UnregistrableEngine(ArraysMemoryEngine):
+    def register_memory(self, address: int, nbytes: int) -> int:
+        return -1
+
+
+def test_unavailable_staging_sends_per_token_and_logs_the_size_it_needed(monkeypatch, caplog):
+    monkeypatch.setattr(fallback, "_logged_keys", set())
+    scenario, decode = tp2_to_tp4(num_layers=1, num_pages=3)
+    raw = UnregistrableEngine(registered(scenario), copy_of(decode))
+    manager = manager_for(scenario, raw)
+    before = counters.snapshot()["fallbacks"].get("gather unavailable", 0)
+    with caplog.at_level("INFO", logger="gpu_planner.integration.sglang.plugin"):
+        assert send(manager, scenario, ONE_THREAD) == 0
+        assert send(manager, scenario, ONE_THREAD) == 0
+    assert counters.snapshot()["fallbacks"]["gather unavailable"] == before + 2
+    [line] = [record.getMessage() for record in caplog.records]
+    assert "registration failed" in line and f"at least {2 * DST_ITEM_LEN} bytes" in line
+    assert [len(call[3]) for call in raw.calls] == [3 * PAGE_SIZE] * 2 * 2  # per token
+    expected_decode = copy_of(decode)
+    run(ORIGINAL, scenario, ArraysMemoryEngine(registered(scenario), expected_decode), ONE_THREAD)
+    for ptr in decode:
+        np.testing.assert_array_equal(raw.decode[ptr], expected_decode[ptr])
+
+
+class Timeline:
+    """What happened, in order, across threads."""
+
+    def __init__(self) -> None:
+        self.events: list[str] = []
+        self._lock = threading.Lock()
+
+    def add(self, event: str) -> None:
+        with self._lock:
+            self.events.append(event)
+
+    def before(self, first: str, second: str) -> bool:
+        return self.events.index(first) < self.events.index(second)
+
+
+def spy_on_gathers(monkeypatch, timeline: Timeline) -> list[threading.Event]:
+    """Record each gather in `timeline`; the returned events are set as gathers 0, 1, ... end."""
+    gathered_events = [threading.Event() for _ in range(8)]
+    gather = gathered.gather_head_slices
+    count = iter(range(8))
+
+    def recorded_gather(*args, **kwargs):
+        number = next(count)
+        timeline.add(f"gather {number}")
+        gather(*args, **kwargs)
+        gathered_events[number].set()
+
+    monkeypatch.setattr(gathered, "gather_head_slices", recorded_gather)
+    return gathered_events
+
+
+class TimedEngine(ArraysMemoryEngine):
+    """Records each call's start and end; call 0 waits until gather 1 has ended."""
+
+    def __init__(self, timeline: Timeline, gather_ended: list[threading.Event], *args, **kw):
+        super().__init__(*args, **kw)
+        self.timeline, self.gather_ended = timeline, gather_ended
+        self.numbers = iter(range(100))
+
+    def batch_transfer_sync_write_arrays(self, session, srcs, dsts, lens) -> int:
+        number = next(self.numbers)
+        self.timeline.add(f"call {number}")
+        if number == 0:
+            assert self.gather_ended[1].wait(WAIT_S), "chunk 1 was not gathered during call 0"
+        status = super().batch_transfer_sync_write_arrays(session, srcs, dsts, lens)
+        self.timeline.add(f"call {number} ended")
+        return status
+
+
+def test_the_next_chunk_is_gathered_while_the_current_one_is_sent(monkeypatch):
+    """Three chunks in two slots: chunk 1 gathers during call 0; chunk 2 waits for call 0's end."""
+    scenario, decode = tp2_to_tp4(num_layers=1, num_pages=4)
+    timeline = Timeline()
+    gather_ended = spy_on_gathers(monkeypatch, timeline)
+    monkeypatch.setenv(STAGING_ENV, str(staging_bytes_for(2, DST_ITEM_LEN)))  # pages 2 + 2
+    raw = TimedEngine(timeline, gather_ended, registered(scenario), copy_of(decode))
+    manager = manager_for(scenario, raw)
+    with concurrent.futures.ThreadPoolExecutor(max_workers=3) as executor:
+        assert send(manager, scenario, executor) == 0
+    assert len(raw.calls) == 4  # K pages 0-1, 2-3, then V's
+    assert timeline.before("gather 1", "call 0 ended")  # overlap
+    assert timeline.before("call 0 ended", "gather 2")  # slot 0 reused after its call
+    assert timeline.before("call 1 ended", "gather 3")
+    expected_decode = copy_of(decode)
+    run(ORIGINAL, scenario, ArraysMemoryEngine(registered(scenario), expected_decode), ONE_THREAD)
+    for ptr in decode:
+        np.testing.assert_array_equal(raw.decode[ptr], expected_decode[ptr])
+
+
+class FailingHeldEngine(ArraysMemoryEngine):
+    """Call 0 fails (status or raise) once call 1 is held; call 1 waits for `release`."""
+
+    def __init__(self, *args, raises: bool, **kw):
+        super().__init__(*args, **kw)
+        self.fail_raises = raises
+        self.holding, self.release = threading.Event(), threading.Event()
+        self.numbers = iter(range(100))
+
+    def batch_transfer_sync_write_arrays(self, session, srcs, dsts, lens) -> int:
+        number = next(self.numbers)
+        if number == 0:
+            assert self.holding.wait(WAIT_S)
+            if self.fail_raises:
+                raise RuntimeError("engine failure")
+            return -1
+        self.holding.set()
+        assert self.release.wait(WAIT_S)
+        return super().batch_transfer_sync_write_arrays(session, srcs, dsts, lens)
+
+
+@pytest.mark.parametrize("raises", [False, True], ids=["status", "raises"])
+@pytest.mark.parametrize("deferred_release", [False, True])
+def test_a_failing_call_gives_sglangs_status_and_its_running_slot_waits(
+    monkeypatch, raises, deferred_release
+):
+    """sglang's -1; no chunk gathered after the failure; a running call's slot stays lent."""
+    monkeypatch.setenv(STAGING_ENV, str(staging_bytes_for(3, DST_ITEM_LEN)))
+    scenario, decode = tp2_to_tp4(num_layers=3, num_pages=3)  # six chunks of one entry
+    raw = FailingHeldEngine(registered(scenario), copy_of(decode), raises=raises)
+    manager = manager_for(scenario, raw)
+    manager.enable_deferred_decode_kv_release = deferred_release
+    with concurrent.futures.ThreadPoolExecutor(max_workers=2) as executor:
+        if deferred_release:  # sglang drains running calls first: let call 1 end
+            threading.Timer(0.2, raw.release.set).start()
+        assert send(manager, scenario, executor) == -1
+        staging = gathered.staging_for(manager)
+        if not deferred_release:
+            assert raw.holding.is_set() and staging.free_slots == 1  # call 1 holds its slot
+            raw.release.set()
+    assert staging.free_slots == gathered.SLOTS
+    assert len(raw.calls) <= 1  # only call 1 moved bytes; nothing after the failure
+
+
+class EventLog:
+    """A stand-in event that records its record and wait in a timeline."""
+
+    def __init__(self, event, timeline: Timeline, number: int) -> None:
+        self.event, self.timeline, self.number = event, timeline, number
+
+    def record(self, stream=None) -> None:
+        self.timeline.add(f"record {self.number}")
+        self.event.record(stream)
+
+    def synchronize(self) -> None:
+        self.timeline.add(f"wait {self.number}")
+        self.event.synchronize()
+
+
+def test_on_the_cuda_path_each_call_waits_on_its_gathers_event(monkeypatch, host_cuda):
+    """Gather on the current stream, record an event after it, the call waits on that event."""
+    monkeypatch.setenv(STAGING_ENV, str(staging_bytes_for(3, DST_ITEM_LEN)))
+    scenario, decode = tp2_to_tp4(num_layers=1, num_pages=3)
+    timeline = Timeline()
+    spy_on_gathers(monkeypatch, timeline)
+    numbers = iter(range(8))
+    new_event = host_cuda.new_event
+    monkeypatch.setattr(
+        host_cuda, "new_event", lambda: EventLog(new_event(), timeline, next(numbers))
+    )
+
+    class Calls(ArraysMemoryEngine):
+        def batch_transfer_sync_write_arrays(self, session, srcs, dsts, lens) -> int:
+            timeline.add(f"call {len(self.calls)}")
+            return super().batch_transfer_sync_write_arrays(session, srcs, dsts, lens)
+
+    raw = Calls(registered(scenario), copy_of(decode))
+    manager = manager_for(scenario, raw)
+    assert send(manager, scenario, ONE_THREAD) == 0
+    for chunk in range(2):
+        order = [f"gather {chunk}", f"record {chunk}", f"wait {chunk}", f"call {chunk}"]
+        assert all(timeline.before(a, b) for a, b in zip(order, order[1:], strict=False))
