@@ -1,0 +1,238 @@
+"""Head-sliced sends to a live peer: sglang's, the per-token hook's, and the gathered hook's.
+
+The refused peer of `bench.slice_path` stops each call before Mooncake builds
+its requests; here a live peer engine in another process (TCP on 127.0.0.1)
+takes every byte, which is the cost the gathered send removes: Mooncake's
+TCP transport pays per request. Llama-70B-like KV heads (8 KV heads, head dim
+128, bf16, page size 64) over `--layers` layers (K and V buffers each), real
+source buffers of random bytes, shuffled pages:
+
+- TP2 -> TP4 (prefill rank 0 -> decode rank 1): `sglang` (its own
+  `send_kvcache_slice`), `per_token` (the hook with the gathered path off:
+  one arrays call per buffer from the executor's threads), `gathered` (the
+  hook: gather into registered staging, one call per chunk of buffers);
+- TP4 -> TP2 (prefill rank 1 -> decode rank 0), where each decode slot is
+  written by two prefill ranks: `sglang`, `per_token` (the hook: concurrent
+  per-buffer calls), `per_token_serial` (the same calls from one thread) and
+  `pages` (one Mooncake 0.3.14 `batch_transfer_sync_write_pages` call
+  holding every buffer's tokens).
+
+Per variant: wall time (`bench.harness`), GIL holds and waits (`bench.gil`,
+through `bench.send_path.measure_sends`), descriptors and bytes handed to
+Mooncake. Run: `python -m bench.gathered_slice [--tokens 4096 32768]`;
+prints JSON. Needs Mooncake 0.3.14.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import contextlib
+import inspect
+import json
+import multiprocessing
+import os
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+
+from bench.harness import RepeatPolicy
+from bench.live_submit import _serve_peer
+from bench.send_path import measure_sends
+
+KV_HEADS, HEAD_BYTES, PAGE_SIZE = 8, 128 * 2, 64
+EXECUTOR_THREADS = 3
+DIRECTIONS = {"tp2_to_tp4": (2, 0, 4, 1), "tp4_to_tp2": (4, 1, 2, 0)}  # src tp, rank, dst tp, rank
+
+
+@contextlib.contextmanager
+def live_peer(nbytes: int) -> Iterator[tuple[str, int]]:
+    """A peer process with one registered buffer of `nbytes`: (its session, its address)."""
+    context = multiprocessing.get_context("spawn")
+    connection, child_end = context.Pipe()
+    peer = context.Process(target=_serve_peer, args=(child_end, nbytes), daemon=True)
+    peer.start()
+    try:
+        if not connection.poll(120):
+            raise TimeoutError("the peer engine did not start in 120 s")
+        yield connection.recv()
+    finally:
+        connection.close()
+        peer.kill()
+        peer.join()
+
+
+class GatheredSliceBench:
+    """Every variant of one direction's send on managers whose engine reaches a live peer."""
+
+    def __init__(self, direction: str, layers: int, num_tokens: int, peer: tuple[str, int]):
+        for name, value in (("MOONCAKE_PROTOCOL", "tcp"), ("MC_FORCE_TCP", "1")):
+            os.environ.setdefault(name, value)
+        from sglang.srt.disaggregation.mooncake import conn
+        from sglang.srt.distributed.device_communicators.mooncake_transfer_engine import (
+            MooncakeTransferEngine,
+        )
+        from sglang.srt.plugins import load_plugins
+
+        from gpu_planner.integration.sglang import gathered
+        from gpu_planner.integration.sglang.testing import make_manager
+
+        load_plugins()  # the gpu_planner hooks, from the installed entry point
+        self._gathered = gathered
+        self.session, peer_address = peer
+        src_tp, src_rank, dst_tp, dst_rank = DIRECTIONS[direction]
+        src_heads, dst_heads = KV_HEADS // src_tp, KV_HEADS // dst_tp
+        self.src_item_len = PAGE_SIZE * src_heads * HEAD_BYTES
+        self.dst_item_len = PAGE_SIZE * dst_heads * HEAD_BYTES
+        self.num_pages = num_tokens // PAGE_SIZE
+        pool_pages = self.num_pages + 16
+        buffers = 2 * layers
+        rng = np.random.default_rng(0)
+        self.sources = [
+            rng.integers(0, 256, pool_pages * self.src_item_len, dtype=np.uint8)
+            for _ in range(buffers)
+        ]
+        self.wrapper = MooncakeTransferEngine("127.0.0.1")
+        for source in self.sources:
+            self.wrapper.register(source.ctypes.data, source.nbytes)
+        self.src_pages = rng.permutation(pool_pages)[: self.num_pages].astype(np.int32)
+        self.dst_pages = rng.permutation(pool_pages)[: self.num_pages].astype(np.int32)
+        self.dst_ptrs = [
+            peer_address + buffer * pool_pages * self.dst_item_len for buffer in range(buffers)
+        ]
+        self.dst_tp, self.dst_rank = dst_tp, dst_rank
+        self.slice_len = min(src_heads, dst_heads) * HEAD_BYTES
+        self.src_head_offset = (dst_rank * dst_heads % src_heads) * HEAD_BYTES * (src_tp < dst_tp)
+        self.dst_head_offset = (src_rank * src_heads % dst_heads) * HEAD_BYTES * (src_tp > dst_tp)
+        self._original = inspect.unwrap(conn.MooncakeKVManager.send_kvcache_slice)
+        self._hooked = conn.MooncakeKVManager.send_kvcache_slice
+        self.managers = {}
+        for name, staging in (("per_token", "0"), ("gathered", "")):
+            os.environ["GPU_PLANNER_GATHER_STAGING_BYTES"] = staging
+            manager = make_manager(self.wrapper)
+            manager.attn_tp_size = src_tp
+            kv_args = manager.kv_args
+            kv_args.kv_data_ptrs = [source.ctypes.data for source in self.sources]
+            kv_args.kv_data_lens = [source.nbytes for source in self.sources]
+            kv_args.kv_item_lens = [self.src_item_len] * buffers
+            kv_args.kv_layer_ids, kv_args.page_size = [], PAGE_SIZE
+            kv_args.engine_rank, kv_args.kv_head_num = src_rank, src_heads
+            kv_args.total_kv_head_num = KV_HEADS
+            gathered.staging_for(manager)  # registered now, read from the environment
+            self.managers[name] = manager
+        os.environ.pop("GPU_PLANNER_GATHER_STAGING_BYTES")
+        self.executors = {
+            "threads": concurrent.futures.ThreadPoolExecutor(EXECUTOR_THREADS),
+            "serial": concurrent.futures.ThreadPoolExecutor(1),
+        }
+
+    def _send(self, send: Callable, manager: Any, executor: str) -> int:
+        return send(
+            manager,
+            self.session,
+            self.src_pages,
+            self.dst_ptrs,
+            self.dst_pages,
+            self.dst_rank,
+            self.dst_tp,
+            self.dst_item_len,
+            self.executors[executor],
+        )
+
+    def variants(self, direction: str) -> dict[str, Callable[[], int]]:
+        per_token = self.managers["per_token"]
+        variants = {
+            "sglang": lambda: self._send(self._original, per_token, "threads"),
+            "per_token": lambda: self._send(self._hooked, per_token, "threads"),
+        }
+        if direction == "tp2_to_tp4":
+            gathered = self.managers["gathered"]
+            variants["gathered"] = lambda: self._send(self._hooked, gathered, "threads")
+        else:
+            variants["per_token_serial"] = lambda: self._send(self._hooked, per_token, "serial")
+            variants["pages"] = self._pages_call()
+        return variants
+
+    def _pages_call(self) -> Callable[[], int]:
+        """One `batch_transfer_sync_write_pages` call: token slots as pages, a field per buffer."""
+        token = np.arange(PAGE_SIZE, dtype=np.int64)
+        src_slots = (self.src_pages.astype(np.int64)[:, None] * PAGE_SIZE + token).reshape(-1)
+        dst_slots = (self.dst_pages.astype(np.int64)[:, None] * PAGE_SIZE + token).reshape(-1)
+        src_token, dst_token = self.src_item_len // PAGE_SIZE, self.dst_item_len // PAGE_SIZE
+        fields = np.array(
+            [
+                [
+                    source.ctypes.data + self.src_head_offset,
+                    src_token,
+                    dst_ptr + self.dst_head_offset,
+                    dst_token,
+                    self.slice_len,
+                ]
+                for source, dst_ptr in zip(self.sources, self.dst_ptrs, strict=True)
+            ],
+            dtype=np.int64,
+        )
+        engine = self.wrapper.engine
+        return lambda: engine.batch_transfer_sync_write_pages(
+            self.session, src_slots, dst_slots, fields, 0
+        )
+
+    def counts(self, name: str) -> dict[str, int]:
+        """Descriptors and bytes the variant hands to Mooncake."""
+        buffers, tokens = len(self.sources), self.num_pages * PAGE_SIZE
+        if name != "gathered":
+            return {"descriptors": buffers * tokens, "bytes": buffers * tokens * self.slice_len}
+        from gpu_planner.reference import group_runs
+
+        staging = self._gathered.staging_for(self.managers["gathered"])
+        chunks = self._gathered.plan_chunks(
+            buffers, self.num_pages, self.dst_item_len, staging.slot_bytes
+        )
+        runs = len(group_runs(range(self.num_pages), self.dst_pages.tolist()))
+        equal_tp = len(group_runs(self.src_pages.tolist(), self.dst_pages.tolist()))
+        return {
+            "descriptors": buffers * runs,
+            "equal_tp_descriptors": buffers * equal_tp,
+            "bytes": buffers * self.num_pages * self.dst_item_len,
+            "calls": len(chunks),
+        }
+
+
+def measure(direction: str, layers: int, num_tokens: int, budget_s: float) -> dict[str, Any]:
+    peer_bytes = 2 * layers * (num_tokens // PAGE_SIZE + 16) * PAGE_SIZE * KV_HEADS * HEAD_BYTES
+    with live_peer(peer_bytes) as peer:
+        bench = GatheredSliceBench(direction, layers, num_tokens, peer)
+        variants = bench.variants(direction)
+        statuses = {name: send() for name, send in variants.items()}
+        if any(statuses.values()):
+            raise RuntimeError(f"statuses {statuses}: every send to the live peer must succeed")
+        policy = RepeatPolicy(budget_s=budget_s, min_repeats=2, max_repeats=20)
+        figures = measure_sends(variants, policy)
+    for name in variants:
+        figures[name].update(bench.counts(name))
+    figures["speedup_vs_sglang"] = {
+        name: figures["sglang"]["median"] / figures[name]["median"] for name in variants
+    }
+    return figures
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", type=int, nargs="+", default=[4096, 32768])
+    parser.add_argument("--directions", nargs="+", default=list(DIRECTIONS))
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--budget-s", type=float, default=10.0, help="per variant and size")
+    args = parser.parse_args()
+    os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
+    results = {
+        direction: {
+            tokens: measure(direction, args.layers, tokens, args.budget_s) for tokens in args.tokens
+        }
+        for direction in args.directions
+    }
+    print(json.dumps({"layers": args.layers, "results": results}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
