@@ -26,14 +26,19 @@ import argparse
 import contextlib
 import json
 import multiprocessing
-import os
 import time
 from multiprocessing.connection import Connection
 
 import numpy as np
 
 from bench.send_path import REFUSING_PEER
-from gpu_planner.integration.mooncake.engine import register_buffer, session_id, start_engine
+from gpu_planner.integration.mooncake.engine import (
+    QUIET_ENV,
+    register_buffer,
+    session_id,
+    set_mooncake_defaults,
+    start_engine,
+)
 
 LOCALHOST = "127.0.0.1"
 DESCRIPTOR_BYTES = 512  # one token's head slice in the slice benchmark
@@ -65,7 +70,7 @@ def _wait_for(engine, batch_id: int) -> float:
 
 def measure(num_descriptors: int, repeats: int) -> dict[str, object]:
     """Median submit, wire and refused-call seconds of `repeats` calls of `num_descriptors`."""
-    os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
+    set_mooncake_defaults(QUIET_ENV)
     nbytes = 2 * num_descriptors * DESCRIPTOR_BYTES  # every other slot, as head slices are
     context = multiprocessing.get_context("spawn")
     connection, child_end = context.Pipe()

@@ -25,7 +25,6 @@ send (whose freed objects glibc keeps) is already mapped.
 from __future__ import annotations
 
 import inspect
-import os
 from collections.abc import Callable
 from typing import Any
 
@@ -34,6 +33,7 @@ import numpy as np
 from bench.gil import GilMonitor, GilWindow
 from bench.harness import RepeatPolicy, Stage, measure_interleaved
 from bench.inputs import BUFFER_STRIDE, BenchInput
+from gpu_planner.integration.mooncake.engine import QUIET_ENV, TCP_ONLY_ENV, set_mooncake_defaults
 
 REFUSING_PEER = "127.0.0.1:9"  # the discard port: nothing listens there
 VARIANTS = ("sglang", "hooked")
@@ -54,7 +54,7 @@ class SendPathBench:
     """sglang's send and the hooked send on one manager whose engine is real and refused."""
 
     def __init__(self) -> None:
-        os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
+        set_mooncake_defaults(QUIET_ENV, TCP_ONLY_ENV)  # before sglang's wrapper starts one
         from sglang.srt.disaggregation.mooncake.conn import MooncakeKVManager
         from sglang.srt.distributed.device_communicators.mooncake_transfer_engine import (
             MooncakeTransferEngine,
@@ -62,14 +62,14 @@ class SendPathBench:
 
         from gpu_planner import cpu_backend
         from gpu_planner.integration.sglang import send as sglang_send
+        from gpu_planner.integration.sglang.adapter import sglang_handoff
+        from gpu_planner.integration.sglang.fallback import around
         from gpu_planner.integration.sglang.testing import make_manager
 
-        for name, value in (("MOONCAKE_PROTOCOL", "tcp"), ("MC_FORCE_TCP", "1")):
-            os.environ.setdefault(name, value)
         self.wrapper = MooncakeTransferEngine("127.0.0.1")
-        self.handoff = sglang_send.engine_send(self.wrapper)[0]
+        self.handoff = sglang_handoff(self.wrapper).form
         self._original = inspect.unwrap(MooncakeKVManager._send_kvcache_generic)
-        self._hook = sglang_send.send_kvcache_generic_hook
+        self._hook = around(sglang_send.send_kvcache_generic_hook)
         cpu_backend.compile_kernels()  # as the plugin does at registration
         self._manager = make_manager(self.wrapper, mla=True)
         self._arguments: tuple[tuple, dict] | None = None

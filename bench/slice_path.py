@@ -21,13 +21,13 @@ import argparse
 import concurrent.futures
 import inspect
 import json
-import os
 from typing import Any
 
 import numpy as np
 
 from bench.harness import RepeatPolicy
 from bench.send_path import REFUSING_PEER, measure_sends
+from gpu_planner.integration.mooncake.engine import QUIET_ENV, TCP_ONLY_ENV, set_mooncake_defaults
 
 LAYERS, KV_HEADS, HEAD_DIM, DTYPE_BYTES, PAGE_SIZE = 80, 8, 128, 2, 64
 SRC_TP, SRC_RANK, DST_TP, DST_RANK = 2, 0, 4, 1
@@ -64,23 +64,23 @@ class SlicePathBench:
     """sglang's head-sliced send and the hooked one, on one manager with a real, refused engine."""
 
     def __init__(self) -> None:
-        for name, value in (("MOONCAKE_PROTOCOL", "tcp"), ("MC_FORCE_TCP", "1")):
-            os.environ.setdefault(name, value)
-        os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
+        set_mooncake_defaults(QUIET_ENV, TCP_ONLY_ENV)  # before sglang's wrapper starts one
         from sglang.srt.disaggregation.mooncake.conn import MooncakeKVManager
         from sglang.srt.distributed.device_communicators.mooncake_transfer_engine import (
             MooncakeTransferEngine,
         )
 
         from gpu_planner import head_slices
-        from gpu_planner.integration.sglang import send, send_slice
+        from gpu_planner.integration.sglang import send_slice
+        from gpu_planner.integration.sglang.adapter import sglang_handoff
+        from gpu_planner.integration.sglang.fallback import around
         from gpu_planner.integration.sglang.testing import make_manager
 
         wrapper = MooncakeTransferEngine("127.0.0.1")
         wrapper.engine = refusal_as_success(wrapper.engine)
-        self.handoff = send.engine_send(wrapper)[0]
+        self.handoff = sglang_handoff(wrapper).form
         self._original = inspect.unwrap(MooncakeKVManager.send_kvcache_slice)
-        self._hook = send_slice.send_kvcache_slice_hook
+        self._hook = around(send_slice.send_kvcache_slice_hook)
         head_slices.compile_kernels()  # as the plugin does at registration
         manager = make_manager(wrapper)
         manager.attn_tp_size = SRC_TP

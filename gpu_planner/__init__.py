@@ -10,16 +10,16 @@ from gpu_planner.errors import BoundsError, PlanValidationError
 from gpu_planner.layout import BufferLayout
 from gpu_planner.pages import PageIndices, kv_to_page_indices, page_indices
 from gpu_planner.pending import PendingPageIndices, page_indices_async
-from gpu_planner.plan import BufferBatch, TransferPlan, plan_transfer
+from gpu_planner.plan import PlanPiece, TransferPlan, plan_transfer
 from gpu_planner.runs import Runs, SpaceRuns, group_runs
 from gpu_planner.warmup import warmup
 
 __all__ = [
     "BoundsError",
-    "BufferBatch",
     "BufferLayout",
     "PageIndices",
     "PendingPageIndices",
+    "PlanPiece",
     "PlanValidationError",
     "SpaceRuns",
     "Runs",

@@ -9,7 +9,6 @@ imports none of them.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from importlib.metadata import entry_points
 
@@ -27,8 +26,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `gpu-planner` script."""
-    # Mooncake logs every connection and its missing RDMA devices; keep its errors only.
-    os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
     args = build_parser().parse_args(argv)
     return args.run(args)
 

@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from gpu_planner.errors import PlanValidationError
-from gpu_planner.kernels.status import NEGATIVE_PAGE_SLOTS, recorded_negative_page
+from gpu_planner.status import NEGATIVE_PAGE_SLOTS, recorded_negative_page
 
 Backend = Literal["cpu", "triton"]
 IndexLike = torch.Tensor | np.ndarray

@@ -33,8 +33,6 @@ from gpu_planner.status import recorded_out_of_bounds
 if TYPE_CHECKING:  # the kernels import triton; load them only when they run
     from gpu_planner.kernels.run_scan import RunTables
 
-Descriptors = tuple[list[int], list[int], list[int]]
-
 
 def exact_total(lengths: np.ndarray) -> int:
     """The sum of int64 `lengths` (each >= 0) as an exact Python int.
@@ -52,15 +50,15 @@ def exact_total(lengths: np.ndarray) -> int:
     return (high << 32) + low
 
 
-class BufferBatch(NamedTuple):
-    """One buffer's descriptors within one batch: one call in per-buffer submission.
+class PlanPiece(NamedTuple):
+    """One Mooncake call's descriptors: a whole batch, or one buffer's part of a batch.
 
-    The columns are lists (`buffer_batches`) or int64 views of the plan's host
-    columns (`buffer_batch_columns`).
+    The columns are int64 views of the plan's host columns, or Python lists
+    (`TransferPlan.pieces(lists=True)`, for engines without the arrays API).
     """
 
     batch: int
-    buffer: int
+    buffer: int | None  # None: every buffer of the batch
     srcs: list[int] | np.ndarray
     dsts: list[int] | np.ndarray
     lens: list[int] | np.ndarray
@@ -209,51 +207,56 @@ class TransferPlan:
         """The bytes of every descriptor: an exact Python int (descriptors may overlap)."""
         return exact_total(self.columns_array()[2])
 
-    def batches(self) -> Iterator[Descriptors]:
-        """One (srcs, dsts, lens) list triple per non-empty batch: one Mooncake call each."""
-        columns = self.columns_array()
-        length_groups = self.layout.length_groups
-        for _, start, end, runs in self._batch_runs():
-            if end > start:
-                group_lengths = self._group_lengths(columns, start, runs)
-                lens: list[int] = []
-                for group in length_groups:
-                    lens += group_lengths[group]  # one exact resize and copy per buffer
-                yield columns[0, start:end].tolist(), columns[1, start:end].tolist(), lens
+    def pieces(self, per_buffer: bool = False, lists: bool = False) -> Iterator[PlanPiece]:
+        """The plan's Mooncake calls in order: one per non-empty batch, or per batch and buffer.
 
-    def buffer_batches(self) -> Iterator[BufferBatch]:
-        """One `BufferBatch` per batch and buffer with descriptors, in plan order."""
-        columns = self.columns_array()
-        length_groups = self.layout.length_groups
-        for batch, start, _, runs in self._batch_runs():
-            group_lengths = self._group_lengths(columns, start, runs)
-            for buffer in range(self.layout.num_buffers):
-                first, count = self._piece(buffer, start, runs)
-                if count:
-                    srcs, dsts = columns[:2, first : first + count].tolist()
-                    lens = list(group_lengths[length_groups[buffer]])
-                    yield BufferBatch(batch, buffer, srcs, dsts, lens)
-
-    def batch_columns(self) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]:
-        """`batches()` as contiguous int64 views of the host columns: no Python list is built.
-
-        What Mooncake's `*_arrays` methods take (each row of the C-contiguous
-        [3, N] columns is contiguous, and so is every slice of it).
+        The columns are contiguous int64 views of the host columns (what
+        Mooncake's `*_arrays` methods take: no list is built), or with `lists`
+        Python lists (its list API). Buffers of one length group (same space
+        and item length) have equal lengths, so their lists share one list of
+        int objects: building `lens` costs a pointer copy per descriptor
+        instead of an int allocation.
         """
         columns = self.columns_array()
-        for _, start, end, _ in self._batch_runs():
-            if end > start:
-                yield columns[0, start:end], columns[1, start:end], columns[2, start:end]
+        for batch, start, end, runs in self._batch_runs():
+            group_lengths = self._group_lengths(columns, start, runs) if lists else None
+            if per_buffer:
+                yield from self._buffer_pieces(columns, batch, start, runs, group_lengths)
+            elif end > start:
+                yield self._batch_piece(columns, batch, start, end, group_lengths)
 
-    def buffer_batch_columns(self) -> Iterator[BufferBatch]:
-        """`buffer_batches()` with contiguous int64 views of the host columns instead of lists."""
-        columns = self.columns_array()
-        for batch, start, _, runs in self._batch_runs():
-            for buffer in range(self.layout.num_buffers):
-                first, count = self._piece(buffer, start, runs)
-                if count:
-                    srcs, dsts, lens = columns[:, first : first + count]
-                    yield BufferBatch(batch, buffer, srcs, dsts, lens)
+    def _batch_piece(
+        self,
+        columns: np.ndarray,
+        batch: int,
+        start: int,
+        end: int,
+        group_lengths: list[list[int]] | None,
+    ) -> PlanPiece:
+        if group_lengths is None:
+            return PlanPiece(batch, None, *columns[:, start:end])
+        lens: list[int] = []
+        for group in self.layout.length_groups:
+            lens += group_lengths[group]  # one exact resize and copy per buffer
+        return PlanPiece(batch, None, *columns[:2, start:end].tolist(), lens)
+
+    def _buffer_pieces(
+        self,
+        columns: np.ndarray,
+        batch: int,
+        start: int,
+        runs: tuple[int, ...],
+        group_lengths: list[list[int]] | None,
+    ) -> Iterator[PlanPiece]:
+        for buffer in range(self.layout.num_buffers):
+            first, count = self._piece(buffer, start, runs)
+            if not count:
+                continue
+            if group_lengths is None:
+                yield PlanPiece(batch, buffer, *columns[:, first : first + count])
+            else:
+                lens = list(group_lengths[self.layout.length_groups[buffer]])
+                yield PlanPiece(batch, buffer, *columns[:2, first : first + count].tolist(), lens)
 
     def _batch_runs(self) -> Iterator[tuple[int, int, int, tuple[int, ...]]]:
         """Per batch: (batch, first descriptor, end, runs of each space), as Python ints."""

@@ -14,6 +14,8 @@ import importlib.util
 
 import torch
 
+from gpu_planner import settings
+
 PACKAGES = {  # shown name: distribution name
     "gpu_planner": "gpu-planner",
     "sglang": "sglang",
@@ -65,17 +67,18 @@ def sglang_plugin() -> Section:
         return [("plugin", "GPU_PLANNER_DISABLE is set: sglang plans its own transfers")]
     if importlib.util.find_spec("sglang") is None:
         return [("plugin", "sglang is not installed")]
-    from gpu_planner.integration.sglang.plugin import hook_targets, target_mismatch
+    from gpu_planner.integration.sglang.plugin import hook_records, target_mismatch
 
     try:
-        hooks = hook_targets()
+        records = hook_records()
     except ImportError as error:
         reason = f"sglang's Mooncake connector does not import ({error})"
         return [("plugin", f"would not load: {reason}")]
     rows = [("plugin", "would load")]
-    for target, (_, expected) in hooks.items():
-        mismatch = target_mismatch(target, expected)
-        rows.append((target, "hooked" if mismatch is None else f"not hooked: {mismatch}"))
+    for record in records:
+        mismatch = target_mismatch(record.target, record.parameters)
+        status = "hooked" if mismatch is None else f"not hooked: {mismatch}"
+        rows.append((record.target, status))
     return rows
 
 
@@ -102,11 +105,15 @@ def mooncake_handoff() -> Section:
         from mooncake.engine import TransferEngine
     except ImportError as error:
         return [("hand-off", f"Mooncake's engine does not import ({error})")]
+    asked = settings.get(settings.HANDOFF)
+    note = "" if asked == "auto" else f" ({settings.HANDOFF.name}={asked})"
     rows = []
     for direction in ("write", "read"):
-        path = handoff.engine_type_path(TransferEngine, direction)
-        note = f" ({handoff.HANDOFF_ENV}=lists)" if handoff.lists_forced() else ""
-        rows.append((f"{direction} hand-off", path + note))
+        try:
+            form = handoff.engine_form(TransferEngine, direction) + note
+        except settings.SettingError as error:
+            form = f"refused: {error}"
+        rows.append((f"{direction} hand-off", form))
     return rows
 
 

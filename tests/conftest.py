@@ -86,3 +86,44 @@ def cuda_path(request) -> torch.device:
         return torch.device("cuda", torch.cuda.current_device())
     request.getfixturevalue("host_cuda")
     return torch.device("cpu")
+
+
+def list_batches(plan) -> list[tuple[list[int], list[int], list[int]]]:
+    """`plan`'s calls as Mooncake's list API takes them: (srcs, dsts, lens) per non-empty batch."""
+    return [piece[2:] for piece in plan.pieces(lists=True)]
+
+
+@pytest.fixture
+def send_signature_changed(monkeypatch):
+    """The sglang plugin sees a generic send whose parameters lost `bootstrap_room`."""
+    import dataclasses
+
+    from gpu_planner.integration.sglang import plugin
+
+    records = plugin.hook_records
+
+    def changed_records() -> list:
+        return [
+            dataclasses.replace(record, parameters=record.parameters[:-1])
+            if record.target == plugin.SEND_TARGET
+            else record
+            for record in records()
+        ]
+
+    monkeypatch.setattr(plugin, "hook_records", changed_records)
+
+
+@pytest.fixture(autouse=True)
+def per_token_slices_outside_gathered_tests(request, monkeypatch):
+    """The per-token slice tests send from made-up addresses: they pin the per-token path.
+
+    A head-sliced send from a lower prefill TP gathers its KV bytes into
+    staging (`integration/sglang/gathered.py`), which reads the source
+    buffers; tests that check per-token descriptors against sglang's use
+    buffers that are only addresses. In tests/integration/sglang outside
+    `test_gathered*` the gathered path is off (`GPU_PLANNER_GATHER_STAGING_BYTES=0`,
+    the setting's own off switch).
+    """
+    sglang_tests = request.path.parent.name == "sglang"
+    if sglang_tests and not request.module.__name__.startswith("test_gathered"):
+        monkeypatch.setenv("GPU_PLANNER_GATHER_STAGING_BYTES", "0")

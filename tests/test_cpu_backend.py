@@ -9,6 +9,7 @@ import tempfile
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
+from conftest import list_batches
 from test_plan import expected_batches, plan
 
 from gpu_planner.testing import fragmented_pages
@@ -32,14 +33,14 @@ def test_concurrent_plans_from_threads_match_reference():
     with ThreadPoolExecutor(max_workers=4) as pool:
         plans = list(pool.map(lambda case: plan(*case, "cpu", "cpu"), cases))
     for result, (pages, layout, max_batch_pages) in zip(plans, cases, strict=True):
-        assert list(result.batches()) == expected_batches(pages, layout, max_batch_pages)
+        assert list_batches(result) == expected_batches(pages, layout, max_batch_pages)
 
 
 def test_large_plan_matches_reference():
     # 2^17 pages: far more runs per space than hypothesis draws, with batch cuts.
     pages, layout, _ = _case(seed=11, num_pages=1 << 17, num_buffers=3)
     result = plan(pages, layout, 4096, "cpu", "cpu")
-    assert list(result.batches()) == expected_batches(pages, layout, 4096)
+    assert list_batches(result) == expected_batches(pages, layout, 4096)
 
 
 def test_one_compiled_signature_serves_every_input_kind():

@@ -16,6 +16,7 @@ import threading
 import numpy as np
 import pytest
 import torch
+from conftest import list_batches
 from cuda_standin import one_kernel_at_a_time
 
 import gpu_planner as gp
@@ -74,7 +75,7 @@ def _expected(pages: dict[str, np.ndarray], layout: gp.BufferLayout, max_batch_p
 
 
 def _batches(plan: gp.TransferPlan) -> list:
-    return [tuple(list(column) for column in batch) for batch in plan.batches()]
+    return [tuple(list(column) for column in batch) for batch in list_batches(plan)]
 
 
 def test_host_copies_keep_their_block_lent_through_every_view(cuda_path):

@@ -8,6 +8,7 @@ import re
 import numpy as np
 import pytest
 import torch
+from conftest import list_batches
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
@@ -34,7 +35,7 @@ def plan_and_reference(backend_device, src, dst, layout: dict, device_pages=None
             max_batch_pages=max_batch,
             backend=backend,
         )
-        result = list(planned.batches())
+        result = list_batches(planned)
     except gp.PlanValidationError as error:
         result = error
     try:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from conftest import list_batches
 from hypothesis import given
 from hypothesis import strategies as st
 from pages_strategies import layouts, page_lists
@@ -63,7 +64,7 @@ def test_plan_matches_reference(backend_device, pages, layout, max_batch_pages, 
     backend, device = backend_device
     result = plan(pages, layout, max_batch_pages, backend, device, dtype, strided)
     expected = expected_batches(pages, layout, max_batch_pages)
-    assert list(result.batches()) == expected
+    assert list_batches(result) == expected
     rows = [row for srcs, dsts, lens in expected for row in zip(srcs, dsts, lens, strict=True)]
     assert result.num_descriptors == len(rows)
     assert [tuple(row) for row in result.descriptors.tolist()] == rows
@@ -75,11 +76,11 @@ def test_plan_matches_reference(backend_device, pages, layout, max_batch_pages, 
 def test_buffer_batches_partition_each_batch(backend_device, pages, layout, max_batch_pages):
     backend, device = backend_device
     result = plan(pages, layout, max_batch_pages, backend, device)
-    pieces = list(result.buffer_batches())
+    pieces = list(result.pieces(per_buffer=True, lists=True))
     joined = [
         value for *_, srcs, dsts, lens in pieces for value in zip(srcs, dsts, lens, strict=True)
     ]
-    assert joined == [value for batch in result.batches() for value in zip(*batch, strict=True)]
+    assert joined == [value for batch in list_batches(result) for value in zip(*batch, strict=True)]
     grouped = {}
     for piece in pieces:
         grouped.setdefault(piece.batch, []).append(piece)
@@ -90,7 +91,7 @@ def test_buffer_batches_partition_each_batch(backend_device, pages, layout, max_
         for piece in group:
             srcs, dsts, lens = srcs + piece.srcs, dsts + piece.dsts, lens + piece.lens
         regrouped.append((srcs, dsts, lens))
-    assert regrouped == list(result.batches())
+    assert regrouped == list_batches(result)
     for _, buffer, srcs, _, lens in pieces:
         item_len = layout["item_lens"][buffer]
         assert all(length % item_len == 0 for length in lens)
@@ -115,8 +116,8 @@ def test_batch_offsets_count_batches(backend_device, max_batch_pages):
     offsets = result.batch_offsets.tolist()
     assert len(offsets) == result.num_batches + 1 and offsets[0] == 0
     sizes = [end - start for start, end in zip(offsets[:-1], offsets[1:], strict=True)]
-    assert [len(batch[0]) for batch in result.batches()] == [size for size in sizes if size]
-    assert list(result.batches()) == expected_batches(pages, layout, max_batch_pages)
+    assert [len(batch[0]) for batch in list_batches(result)] == [size for size in sizes if size]
+    assert list_batches(result) == expected_batches(pages, layout, max_batch_pages)
 
 
 def test_empty_request_plans_nothing(backend_device):
@@ -126,7 +127,7 @@ def test_empty_request_plans_nothing(backend_device):
     result = plan({"src": empty, "dst": empty, "device": empty}, layout, 7, backend, device)
     assert result.num_batches == 0
     assert result.num_descriptors == 0
-    assert list(result.batches()) == []
+    assert list_batches(result) == []
     assert result.batch_offsets.tolist() == [0]
 
 
@@ -136,7 +137,7 @@ def test_numpy_inputs_match_tensor_inputs():
     layout = gp.BufferLayout([2**40], [2**41], [256])
     from_numpy = gp.plan_transfer(src, dst, layout)
     from_torch = gp.plan_transfer(torch.from_numpy(src), torch.from_numpy(dst), layout)
-    assert list(from_numpy.batches()) == list(from_torch.batches())
+    assert list_batches(from_numpy) == list_batches(from_torch)
 
 
 def test_buffers_of_one_length_group_share_length_objects():
@@ -148,10 +149,10 @@ def test_buffers_of_one_length_group_share_length_objects():
         [2**46, 2**46 + 2**30, 2**45], [2**47, 2**47 + 2**30, 2**44], [4096, 4096, 8192]
     )
     result = gp.plan_transfer(src, dst, layout)
-    ((_, _, lens),) = result.batches()
+    ((_, _, lens),) = list_batches(result)
     assert lens == [3 * 4096, 4096, 4096] * 2 + [3 * 8192, 8192, 8192]
     assert all(lens[run] is lens[3 + run] for run in range(3))
-    first, second, third = result.buffer_batches()
+    first, second, third = result.pieces(per_buffer=True, lists=True)
     assert all(a is b for a, b in zip(first.lens, second.lens, strict=True))
     assert first.lens is not second.lens  # each piece owns its list
     assert third.lens == [3 * 8192, 8192, 8192]

@@ -28,14 +28,14 @@ def test_column_views_match_reference(backend_device, pages, layout, max_batch_p
     backend, device = backend_device
     result = test_plan.plan(pages, layout, max_batch_pages, backend, device)
     columns = result.columns_array()
-    views = list(result.batch_columns())
+    views = [piece[2:] for piece in result.pieces()]
     expected = test_plan.expected_batches(pages, layout, max_batch_pages)
     assert [tuple(view.tolist() for view in batch) for batch in views] == expected
     for batch in views:
         assert_views_of(columns, *batch)
-    pieces = list(result.buffer_batch_columns())
+    pieces = list(result.pieces(per_buffer=True))
     assert [
         (p.batch, p.buffer, p.srcs.tolist(), p.dsts.tolist(), p.lens.tolist()) for p in pieces
-    ] == [tuple(piece) for piece in result.buffer_batches()]
+    ] == [tuple(piece) for piece in result.pieces(per_buffer=True, lists=True)]
     for piece in pieces:
         assert_views_of(columns, piece.srcs, piece.dsts, piece.lens)

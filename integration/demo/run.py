@@ -91,7 +91,7 @@ def _plan_and_submit(
     config = side.config
     report.host_runs, report.device_runs = count_runs(config, src_pages, *dst_pages_in_host_memory)
     planned = plan_request(
-        config, layout, src_pages, *dst_pages, handoff.handoff_path(side.engine, transfer.direction)
+        config, layout, src_pages, *dst_pages, handoff.Handoff.of(side.engine, transfer.direction)
     )
     report.descriptors, report.total_bytes = planned.descriptors, planned.total_bytes
     report.handoff = planned.handoff

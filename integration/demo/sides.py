@@ -45,6 +45,7 @@ from gpu_planner.integration.sglang.frames import (
     parse_int,
     parse_pages,
 )
+from gpu_planner.plan import PlanPiece
 from gpu_planner.profiling import nvtx_range
 from gpu_planner.testing import fragmented_pages
 
@@ -309,8 +310,8 @@ def pair_layout(source: KVRegistration, destination: KVRegistration) -> gp.Buffe
 class Planned:
     """A planned request: engine-ready work (in `handoff`'s form), its size, its planning time."""
 
-    work: list
-    handoff: handoff.Path
+    work: list[PlanPiece]
+    handoff: handoff.HandoffForm
     descriptors: int
     total_bytes: int
     plan_s: float
@@ -325,19 +326,27 @@ def _index_pages(pages: PageArray | None) -> torch.Tensor | None:
 
 
 def _gpu_planner_work(
-    config: DemoConfig, layout: gp.BufferLayout, path: handoff.Path, src, dst, dst_device
-) -> list:
+    config: DemoConfig,
+    layout: gp.BufferLayout,
+    engine_handoff: handoff.Handoff,
+    src,
+    dst,
+    dst_device,
+) -> list[PlanPiece]:
     src, dst, dst_device = (_index_pages(pages) for pages in (src, dst, dst_device))
     plan = gp.plan_transfer(src, dst, layout, dst_device, max_batch_pages=config.max_batch_pages)
-    if config.buffer_workers:
-        return list(handoff.buffer_batches(plan, path))
-    return list(handoff.batches(plan, path))
+    return list(engine_handoff.pieces(plan, per_buffer=bool(config.buffer_workers)))
 
 
 def _reference_work(
-    config: DemoConfig, layout: gp.BufferLayout, path: handoff.Path, src, dst, dst_device
-) -> list:
-    return gp.reference.plan_batches(
+    config: DemoConfig,
+    layout: gp.BufferLayout,
+    engine_handoff: handoff.Handoff,
+    src,
+    dst,
+    dst_device,
+) -> list[PlanPiece]:
+    batches = gp.reference.plan_batches(
         _host_pages(src),
         _host_pages(dst),
         layout.src_ptrs.tolist(),
@@ -347,6 +356,7 @@ def _reference_work(
         dst_device_pages=_host_pages(dst_device),
         max_batch_pages=config.max_batch_pages,
     )
+    return [PlanPiece(batch, None, *descriptors) for batch, descriptors in enumerate(batches)]
 
 
 def plan_request(
@@ -355,17 +365,16 @@ def plan_request(
     src_pages: PageArray,
     dst_pages: PageArray,
     dst_device_pages: PageArray | None,
-    handoff_path: handoff.Path,
+    engine_handoff: handoff.Handoff,
 ) -> Planned:
     """Plan with the configured planner, up to what the engine takes (timed, warm).
 
-    gpu_planner's work takes `handoff_path`'s form (descriptor arrays for a
-    Mooncake that takes them); the reference loop builds lists.
+    gpu_planner's work takes the engine's hand-off form (descriptor arrays for
+    a Mooncake that takes them); the reference loop builds lists.
     """
     plan_work = _gpu_planner_work if config.planner == "gpu" else _reference_work
-    if config.planner != "gpu":
-        handoff_path = handoff.LISTS
-    inputs = (handoff_path, src_pages, dst_pages, dst_device_pages)
+    form = engine_handoff.form if config.planner == "gpu" else handoff.LISTS
+    inputs = (engine_handoff, src_pages, dst_pages, dst_device_pages)
     plan_work(config, layout, *inputs)  # warm-up: JIT compilation is not a per-request cost
     start = time.perf_counter()
     with nvtx_range("demo/plan"):
@@ -373,7 +382,7 @@ def plan_request(
     plan_s = time.perf_counter() - start
     lens = [item[-1] for item in work]
     total_bytes = sum(map(handoff.column_total, lens))
-    return Planned(work, handoff_path, sum(map(len, lens)), total_bytes, plan_s)
+    return Planned(work, form, sum(map(len, lens)), total_bytes, plan_s)
 
 
 def submit(
@@ -389,13 +398,10 @@ def submit(
         buffer_workers=config.buffer_workers,
         batch_timeout_s=config.timeout_s,
         max_call_descriptors=CALL_LIMIT,
-        handoff_path=planned.handoff,
+        handoff_form=planned.handoff,
     ) as submitter:
         start = time.perf_counter()
-        if config.buffer_workers:
-            submitter.submit_buffer_batches(planned.work)
-        else:
-            submitter.submit_batches(planned.work)
+        submitter.submit_pieces(planned.work)
         return time.perf_counter() - start
 
 

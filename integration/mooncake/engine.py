@@ -19,6 +19,21 @@ P2P_HANDSHAKE = "P2PHANDSHAKE"
 TCP_QUEUE_ENV = "MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER"
 TCP_QUEUE_DEFAULT = 1024
 TCP_QUEUE_MAX = 65535
+# Mooncake logs every connection and its missing RDMA devices: keep its errors only.
+QUIET_ENV = {"MC_LOG_LEVEL": "ERROR"}
+# sglang's `MooncakeTransferEngine` wrapper on a machine without RDMA: TCP only.
+TCP_ONLY_ENV = {"MOONCAKE_PROTOCOL": "tcp", "MC_FORCE_TCP": "1"}
+
+
+def set_mooncake_defaults(*environments: Mapping[str, str]) -> None:
+    """Set each of `environments`' Mooncake variables in `os.environ` where it is not set.
+
+    The one place the project sets Mooncake's variables for the process (the
+    demo, the benchmarks): an operator's own values win.
+    """
+    for environment in environments:
+        for name, value in environment.items():
+            os.environ.setdefault(name, value)
 
 
 def tcp_queue_env(max_queued_transfers: int = TCP_QUEUE_MAX) -> dict[str, str]:

@@ -1,15 +1,17 @@
-"""The one place plan descriptors are handed to a Mooncake engine: arrays if it can, else lists.
+"""The one place descriptors are handed to a Mooncake engine: arrays if it can, else lists.
 
 Mooncake 0.3.14 added `batch_transfer_sync_{write,read}_arrays`, which take
 buffer-protocol int64 arrays: the plan's host columns go in as contiguous row
-views (one slice per batch), and no Python list of descriptors is built. Older
-engines only take `list[int]`s, built by `plan.batches()` /
-`plan.buffer_batches()`. The path is chosen once per engine class (a pybind
-class either has the methods or not) and logged once;
-`GPU_PLANNER_HANDOFF=lists` forces the list path.
+views (one slice per call), and no Python list of descriptors is built. Older
+engines only take `list[int]`s. A `Handoff` is built once per engine and
+direction: it knows its form (chosen once per engine class, logged once;
+`GPU_PLANNER_HANDOFF` can force one), yields a plan's pieces in that form and
+makes the call. Every module that moves descriptors goes through one: the
+sender and reader (`transfer`), the demo, and the sglang hooks (through the
+sglang adapter, which adds sglang's own wrapper rules).
 
 Mooncake's read takes the local buffers first, then the peer's addresses; in a
-plan those are the destinations and the sources, so a reader passes
+plan those are the destinations and the sources, so a read passes
 `(dsts, srcs)`. Only Mooncake's Python API is called (its C++ request struct
 changes size between releases).
 """
@@ -18,28 +20,22 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 from collections.abc import Callable, Iterator, Sequence
 from typing import Literal
 
 import numpy as np
 
-from gpu_planner.plan import BufferBatch, TransferPlan, exact_total
+from gpu_planner import settings
+from gpu_planner.plan import PlanPiece, TransferPlan, exact_total
 
 logger = logging.getLogger(__name__)
 
-HANDOFF_ENV = "GPU_PLANNER_HANDOFF"
 ARRAYS = "arrays"
 LISTS = "lists"
 Direction = Literal["write", "read"]
-Path = Literal["arrays", "lists"]
-Column = Sequence[int] | np.ndarray  # a list on the list path, an int64 view on the arrays path
-EngineCall = Callable[[str, Column, Column, Column], int]
-
-
-def lists_forced() -> bool:
-    """True when GPU_PLANNER_HANDOFF=lists asks for the list path."""
-    return os.environ.get(HANDOFF_ENV, "").strip().lower() == LISTS
+HandoffForm = Literal["arrays", "lists"]
+Column = Sequence[int] | np.ndarray  # a list in the list form, an int64 view in the arrays form
+EngineMethod = Callable[[str, Column, Column, Column], int]  # (peer, local, remote, lens)
 
 
 @functools.cache
@@ -48,66 +44,82 @@ def _engine_has_arrays(engine_type: type, direction: Direction) -> bool:
 
 
 @functools.cache
-def _log_path_once(engine_type: type, direction: Direction, path: Path) -> None:
-    """Log, once per engine class, direction and path, which hand-off it gets and why."""
-    if path == ARRAYS:
+def _log_form_once(engine_type: type, direction: Direction, form: HandoffForm) -> None:
+    """Log, once per engine class, direction and form, which hand-off it gets and why."""
+    if settings.get(settings.HANDOFF) != "auto":
+        reason = f"{settings.HANDOFF.name}={form}"
+    elif form == ARRAYS:
         reason = "the engine has batch_transfer_sync_*_arrays"
-    elif _engine_has_arrays(engine_type, direction):
-        reason = f"{HANDOFF_ENV}=lists"
     else:
         reason = "the engine has no *_arrays methods (Mooncake < 0.3.14)"
     logger.info(
         "gpu_planner: Mooncake %s hand-off through %s (%s.%s: %s)",
         direction,
-        path,
+        form,
         engine_type.__module__,
         engine_type.__qualname__,
         reason,
     )
 
 
-def handoff_path(engine: object, direction: Direction = "write") -> Path:
-    """'arrays' when `engine` takes descriptor arrays and lists are not forced, else 'lists'."""
-    return engine_type_path(type(engine), direction)
+def engine_form(engine_type: type, direction: Direction = "write") -> HandoffForm:
+    """The form every engine of class `engine_type` takes descriptors in (`GPU_PLANNER_HANDOFF`).
 
-
-def engine_type_path(engine_type: type, direction: Direction = "write") -> Path:
-    """`handoff_path` for every engine of class `engine_type`."""
-    path: Path = ARRAYS if _engine_has_arrays(engine_type, direction) else LISTS
-    if lists_forced():
-        path = LISTS
-    _log_path_once(engine_type, direction, path)
-    return path
-
-
-def engine_call(engine: object, direction: Direction, path: Path) -> EngineCall:
-    """`engine`'s synchronous call for `direction` on `path`, in the plan's (src, dst, len) order.
-
-    The returned function takes `(peer, srcs, dsts, lens)` and returns
-    Mooncake's status; for reads it passes Mooncake the local destinations
-    first.
+    `auto`: arrays where the class has the arrays method, else lists. `arrays`
+    on a class without it is a `settings.SettingError`.
     """
-    suffix = "_arrays" if path == ARRAYS else ""
-    method = getattr(engine, f"batch_transfer_sync_{direction}{suffix}")
-    if direction == "write":
-        return method
+    has_arrays = _engine_has_arrays(engine_type, direction)
+    asked = settings.get(settings.HANDOFF)
+    if asked == ARRAYS and not has_arrays:
+        raise settings.SettingError(
+            f"{settings.HANDOFF.name}=arrays, but {engine_type.__qualname__} has no "
+            f"batch_transfer_sync_{direction}_arrays (Mooncake < 0.3.14)"
+        )
+    form: HandoffForm = ARRAYS if has_arrays and asked != LISTS else LISTS
+    _log_form_once(engine_type, direction, form)
+    return form
 
-    def read(peer: str, srcs: Column, dsts: Column, lens: Column) -> int:
-        return method(peer, dsts, srcs, lens)
 
-    return read
+class Handoff:
+    """How one engine takes descriptors in one direction, and the call that hands them over.
+
+    `method` is the engine call for `form`, with Mooncake's argument order (local
+    buffers first). `Handoff.of(engine, direction)` picks both for a Mooncake engine.
+    """
+
+    def __init__(
+        self, form: HandoffForm, method: EngineMethod, direction: Direction = "write"
+    ) -> None:
+        self.form = form
+        self.direction = direction
+        self._method = method
+
+    @classmethod
+    def of(
+        cls, engine: object, direction: Direction = "write", form: HandoffForm | None = None
+    ) -> Handoff:
+        """`engine`'s hand-off for `direction` (form detected unless given)."""
+        form = form or engine_form(type(engine), direction)
+        suffix = "_arrays" if form == ARRAYS else ""
+        return cls(form, getattr(engine, f"batch_transfer_sync_{direction}{suffix}"), direction)
+
+    def pieces(self, plan: TransferPlan, per_buffer: bool = False) -> Iterator[PlanPiece]:
+        """`plan`'s calls in order (per batch, or per batch and buffer), in this form."""
+        return plan.pieces(per_buffer=per_buffer, lists=self.form == LISTS)
+
+    def columns(self, srcs: np.ndarray, dsts: np.ndarray, lens: np.ndarray) -> tuple[Column, ...]:
+        """int64 columns in this form: as they are for arrays, `.tolist()` for lists."""
+        if self.form == ARRAYS:
+            return srcs, dsts, lens
+        return srcs.tolist(), dsts.tolist(), lens.tolist()
+
+    def call(self, peer: str, srcs: Column, dsts: Column, lens: Column) -> int:
+        """One synchronous engine call with the plan's (src, dst, len) columns; its status."""
+        if self.direction == "read":
+            return self._method(peer, dsts, srcs, lens)
+        return self._method(peer, srcs, dsts, lens)
 
 
 def column_total(column: Column) -> int:
     """The exact sum of a list or array column (bytes, for a lengths column): a Python int."""
     return exact_total(column) if isinstance(column, np.ndarray) else sum(column)
-
-
-def batches(plan: TransferPlan, path: Path) -> Iterator[tuple[Column, Column, Column]]:
-    """`plan`'s (srcs, dsts, lens) per non-empty batch, in order, in `path`'s form."""
-    return plan.batch_columns() if path == ARRAYS else plan.batches()
-
-
-def buffer_batches(plan: TransferPlan, path: Path) -> Iterator[BufferBatch]:
-    """`plan`'s per-buffer pieces in plan order, in `path`'s form."""
-    return plan.buffer_batch_columns() if path == ARRAYS else plan.buffer_batches()

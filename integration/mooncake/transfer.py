@@ -77,13 +77,14 @@ from concurrent.futures import Future
 from itertools import groupby
 from operator import attrgetter
 
+from gpu_planner import settings
 from gpu_planner.inputs import is_integer
 from gpu_planner.integration.mooncake import handoff
 from gpu_planner.integration.mooncake.engine import TCP_QUEUE_DEFAULT
-from gpu_planner.plan import BufferBatch, TransferPlan
+from gpu_planner.plan import PlanPiece, TransferPlan
 from gpu_planner.profiling import nvtx_range
 
-Batch = tuple[handoff.Column, handoff.Column, handoff.Column]
+CallColumns = tuple[handoff.Column, handoff.Column, handoff.Column]  # one engine call
 MAX_ABANDONED_CALLS = 16  # per transfer: abandoned calls still running before batches are refused
 
 
@@ -150,8 +151,8 @@ class MooncakeTransfer:
     batch (None: no bound, and without buffer workers the calls run on the
     submitting thread). While `max_abandoned_calls` calls abandoned by timed-out
     batches still run, every batch is refused before its first call. Batches
-    reach Mooncake through `handoff`: descriptor arrays when the engine takes
-    them, else lists (`handoff_path`, detected from the engine unless given).
+    reach Mooncake through a `handoff.Handoff`: descriptor arrays when the
+    engine takes them, else lists (`handoff_form`, detected unless given).
     """
 
     operation = "transfer with"  # how error messages name the direction
@@ -163,10 +164,10 @@ class MooncakeTransfer:
         peer_session_id: str,
         *,
         buffer_workers: int = 0,
-        batch_timeout_s: float | None = 60.0,
+        batch_timeout_s: float | None = settings.get(settings.BATCH_TIMEOUT_S),
         max_call_descriptors: int | None = TCP_QUEUE_DEFAULT,
         max_abandoned_calls: int = MAX_ABANDONED_CALLS,
-        handoff_path: handoff.Path | None = None,
+        handoff_form: handoff.HandoffForm | None = None,
     ) -> None:
         if buffer_workers < 0:
             raise ValueError(f"buffer_workers: must be >= 0, got {buffer_workers}")
@@ -184,8 +185,7 @@ class MooncakeTransfer:
         self.batch_timeout_s = checked_timeout("batch_timeout_s", batch_timeout_s, allow_zero=False)
         self.max_call_descriptors = max_call_descriptors
         self.max_abandoned_calls = int(max_abandoned_calls)
-        self.handoff_path = handoff_path or handoff.handoff_path(engine, self.direction)
-        self._engine_call = handoff.engine_call(engine, self.direction, self.handoff_path)
+        self.handoff = handoff.Handoff.of(engine, self.direction, handoff_form)
         self._lock = threading.Lock()
         self._in_flight: set[Future[int]] = set()  # calls started that have not returned
         self._abandoned: set[Future[int]] = set()  # those of them whose batch timed out
@@ -214,30 +214,19 @@ class MooncakeTransfer:
 
     def submit(self, plan: TransferPlan) -> int:
         """Submit every batch of `plan`; return the bytes moved. Raises `TransferError`."""
-        if self.buffer_workers:
-            return self.submit_buffer_batches(handoff.buffer_batches(plan, self.handoff_path))
-        return self.submit_batches(handoff.batches(plan, self.handoff_path))
+        return self.submit_pieces(self.handoff.pieces(plan, per_buffer=bool(self.buffer_workers)))
 
-    def submit_batches(self, batches: Iterable[Batch]) -> int:
-        """Submit precomputed (srcs, dsts, lens) batches in order (split at the call limit).
+    def submit_pieces(self, pieces: Iterable[PlanPiece]) -> int:
+        """Submit precomputed pieces in order, each one call (or its slices at the call limit).
 
-        They must have `handoff_path`'s form (`handoff.batches(plan, path)`).
-        """
-        return self._submit_groups(
-            [BufferBatch(index, -1, *batch)] for index, batch in enumerate(batches)
-        )
-
-    def submit_buffer_batches(self, pieces: Iterable[BufferBatch]) -> int:
-        """Submit `plan.buffer_batches()` pieces in plan order, one call per piece (or its slices).
-
+        They must be in this transfer's hand-off form (`self.handoff.pieces`).
         The calls of one batch run concurrently, up to `buffer_workers` at a
         time; the next batch starts when all of them have succeeded.
         """
-        return self._submit_groups(
-            list(group) for _, group in groupby(pieces, key=attrgetter("batch"))
-        )
+        groups = (list(group) for _, group in groupby(pieces, key=attrgetter("batch")))
+        return self._submit_groups(groups)
 
-    def _submit_groups(self, groups: Iterable[list[BufferBatch]]) -> int:
+    def _submit_groups(self, groups: Iterable[list[PlanPiece]]) -> int:
         confirmed = 0
         with nvtx_range(f"{type(self).__name__}/submit"):
             for index, pieces in enumerate(groups):
@@ -257,7 +246,7 @@ class MooncakeTransfer:
                     confirmed = self._submit_batch(index, self._calls(pieces), confirmed)
         return confirmed
 
-    def _calls(self, pieces: list[BufferBatch]) -> list[Batch]:
+    def _calls(self, pieces: list[PlanPiece]) -> list[CallColumns]:
         """One batch's engine calls: each piece, cut into slices of at most the per-call limit."""
         limit = self.max_call_descriptors
         if limit is not None:
@@ -278,7 +267,7 @@ class MooncakeTransfer:
                 ]
         return calls
 
-    def _submit_batch(self, index: int, calls: list[Batch], confirmed: int) -> int:
+    def _submit_batch(self, index: int, calls: list[CallColumns], confirmed: int) -> int:
         """Run one batch's calls within the batch timeout; the bytes confirmed after it.
 
         At most `buffer_workers` (or one) run at a time, started in order, and
@@ -288,8 +277,8 @@ class MooncakeTransfer:
         timeout = self.batch_timeout_s
         deadline = None if timeout is None else time.monotonic() + timeout
         waiting = collections.deque(calls)
-        running: dict[Future[int], Batch] = {}
-        failed: tuple[Future[int], Batch] | None = None
+        running: dict[Future[int], CallColumns] = {}
+        failed: tuple[Future[int], CallColumns] | None = None
         refused = 0  # calls that found the transfer closed
         while True:
             while (
@@ -344,7 +333,7 @@ class MooncakeTransfer:
         return confirmed
 
     def _failure(
-        self, index: int, future: Future[int], call: Batch, confirmed: int
+        self, index: int, future: Future[int], call: CallColumns, confirmed: int
     ) -> TransferError:
         """The `TransferError` for a call that returned a non-zero status or raised."""
         error = future.exception()
@@ -361,7 +350,7 @@ class MooncakeTransfer:
         failure.__cause__ = error
         return failure
 
-    def _start(self, call: Batch) -> Future[int]:
+    def _start(self, call: CallColumns) -> Future[int]:
         """Run one engine call on a thread of its own (on this one when nothing is bounded).
 
         A thread per call means no call ever waits for another submit's worker.
@@ -374,7 +363,7 @@ class MooncakeTransfer:
             threading.Thread(target=self._run, args=(future, call), name=name, daemon=True).start()
         return future
 
-    def _run(self, future: Future[int], call: Batch) -> None:
+    def _run(self, future: Future[int], call: CallColumns) -> None:
         """Call the engine unless the transfer is closed (then cancel `future`); resolve it.
 
         The closed check and the registration as running are one step under
@@ -405,7 +394,7 @@ class MooncakeTransfer:
 
     def _call(self, srcs: handoff.Column, dsts: handoff.Column, lens: handoff.Column) -> int:
         """One Mooncake call for (srcs, dsts, lens) in the plan's convention; its status."""
-        return self._engine_call(self.peer, srcs, dsts, lens)
+        return self.handoff.call(self.peer, srcs, dsts, lens)
 
 
 class MooncakeSender(MooncakeTransfer):

@@ -15,6 +15,8 @@ from typing import Any
 
 from sglang.srt.disaggregation.mooncake import conn
 
+from gpu_planner.integration.sglang.fallback import Failed
+
 Entry = tuple[int, int, int]
 
 
@@ -44,19 +46,19 @@ class SendCall:
     bootstrap_room: int | None = None
 
 
-def transfer_entries(manager: conn.MooncakeKVManager, call: SendCall) -> list[Entry] | int:
-    """sglang's per-buffer entries for `call`, or the status it returns before transferring.
+def transfer_entries(manager: conn.MooncakeKVManager, call: SendCall) -> list[Entry]:
+    """sglang's per-buffer entries for `call`; `Failed` where sglang returns before transferring.
 
     Side effects are sglang's own, logged by sglang's logger: a stride mismatch
-    logs, concludes the room as failed and yields -1; an out-of-range MHA stage
-    logs and yields -1.
+    logs, concludes the room as failed and fails with -1; an out-of-range MHA
+    stage logs and fails with -1.
     """
     mismatch = _state_stride_mismatch(manager, call)
     if mismatch is not None:
         assert call.bootstrap_room is not None
         conn.logger.error(mismatch)
         manager.conclude_failure(bootstrap_room=call.bootstrap_room, failure_reason=mismatch)
-        return -1
+        raise Failed(-1)
     has_layer_ids = bool(call.src_layer_ids or call.dst_layer_ids)
     is_flat = conn._uses_flat_entry_layout(
         mla_backend=manager.is_mla_backend or manager.is_hybrid_mla_backend,
@@ -131,7 +133,7 @@ def _positional_flat_entries(manager: conn.MooncakeKVManager, call: SendCall) ->
     ]
 
 
-def _mha_entries(manager: conn.MooncakeKVManager, call: SendCall) -> list[Entry] | int:
+def _mha_entries(manager: conn.MooncakeKVManager, call: SendCall) -> list[Entry]:
     """Plain MHA: every K entry of this PP stage, then every V entry."""
     src_k, src_v, dst_k, dst_v, num_layers = manager.get_mha_kv_ptrs_with_pp(
         call.src_data_ptrs, call.dst_data_ptrs
@@ -141,7 +143,7 @@ def _mha_entries(manager: conn.MooncakeKVManager, call: SendCall) -> list[Entry]
             "Prefill transfer kvcache error, layers_current_pp_stage is out of range: "
             f"layers_current_pp_stage={num_layers}, len(dst_k_ptrs)={len(dst_k)}"
         )
-        return -1
+        raise Failed(-1)
     k_entries = [(src_k[i], dst_k[i], call.item_lens[i]) for i in range(num_layers)]
     v_entries = [(src_v[i], dst_v[i], call.item_lens[num_layers + i]) for i in range(num_layers)]
     return k_entries + v_entries

@@ -9,36 +9,35 @@ pinned block until it is freed). Anything else runs the original.
 
 from __future__ import annotations
 
-import inspect
-from collections.abc import Callable
+import dataclasses
 
 import numpy as np
 import torch
 
 import gpu_planner as gp
 from gpu_planner.cuda_runtime import cuda_runtime
-from gpu_planner.integration.sglang.fallback import log_fallback_once
+from gpu_planner.integration.sglang.fallback import Fallback
 from gpu_planner.staging import copy_to_host
 
-# The original's parameters, as the plugin's register() compares them.
-HOOKED_PARAMETERS = (
-    ("kv_indices", inspect.Parameter.empty),
-    ("page_size", inspect.Parameter.empty),
-)
+
+@dataclasses.dataclass
+class PagesCall:
+    """The arguments of `kv_to_page_indices` (sglang 0.5.23), bound like the original."""
+
+    kv_indices: torch.Tensor
+    page_size: int
 
 
-def kv_to_page_indices_hook(
-    original: Callable[[torch.Tensor, int], np.ndarray], kv_indices: torch.Tensor, page_size: int
-) -> np.ndarray:
+def kv_to_page_indices_hook(*args, **kwargs) -> np.ndarray:
     """sglang's page indices of `kv_indices`, converted on the GPU for CUDA tensors."""
-    on_device = isinstance(kv_indices, torch.Tensor) and cuda_runtime().runs_on_device(
-        kv_indices.device
-    )
-    if not on_device:
-        return original(kv_indices, page_size)
+    call = PagesCall(*args, **kwargs)
+    kv_indices = call.kv_indices
+    if not (
+        isinstance(kv_indices, torch.Tensor) and cuda_runtime().runs_on_device(kv_indices.device)
+    ):
+        raise Fallback("kv_to_page_indices of indices not on a CUDA device", key="pages on host")
     try:
-        pages = gp.kv_to_page_indices(kv_indices, page_size)
+        pages = gp.kv_to_page_indices(kv_indices, call.page_size)
     except gp.PlanValidationError as error:
-        log_fallback_once(f"kv_to_page_indices input not supported ({error})", key="pages")
-        return original(kv_indices, page_size)
+        raise Fallback(f"kv_to_page_indices input not supported ({error})", key="pages") from None
     return copy_to_host(pages).numpy()

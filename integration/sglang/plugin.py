@@ -5,24 +5,26 @@ entry point named `gpu_planner`. It registers AROUND hooks on
 `MooncakeKVManager._send_kvcache_generic`, the head-sliced sends
 (`send_kvcache_slice`, `_send_swa_state_slice`) and `kv_to_page_indices` with
 sglang's `HookRegistry`, after checking that each target still has the
-signature of sglang 0.5.23 that the hooks mirror. `GPU_PLANNER_DISABLE=1`
-turns the plugin off. With the page hook it also registers an AFTER hook on
-`MooncakeKVManager.__init__` that compiles the Triton kernels (`gp.warmup`)
-on the process's GPU, off the request path. Registering never touches CUDA:
-plugins load before sglang selects each rank's GPU, so a CUDA call here would
-create a context on GPU 0 in every rank.
+signature of sglang 0.5.23 that the hooks mirror. Each hook is one
+`HookRecord` (target, hook, the target's parameters, what to compile);
+`register` iterates them and wraps each hook in `fallback.around`.
+`GPU_PLANNER_DISABLE=1` turns the plugin off. With the page hook it also
+registers an AFTER hook on `MooncakeKVManager.__init__` that compiles the
+Triton kernels (`gp.warmup`) on the process's GPU, off the request path.
+Registering never touches CUDA: plugins load before sglang selects each
+rank's GPU, so a CUDA call here would create a context on GPU 0 in every rank.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import logging
-import os
 import pkgutil
 from collections.abc import Callable
 
-from gpu_planner import cpu_backend, head_slices
-from gpu_planner.integration.sglang.fallback import log_fallback_once
+from gpu_planner import cpu_backend, head_slices, settings
+from gpu_planner.integration.sglang.fallback import around, log_fallback_once
 
 logger = logging.getLogger(__name__)
 
@@ -35,9 +37,35 @@ WARMUP_TARGET = "sglang.srt.disaggregation.mooncake.conn.MooncakeKVManager.__ini
 Parameters = tuple[tuple[str, object], ...]
 
 
+def call_parameters(call_type: type, method: bool) -> Parameters:
+    """(name, default) of the target a call dataclass mirrors: `self` first for a method."""
+    empty = inspect.Parameter.empty
+    fields = tuple(
+        (field.name, empty if field.default is dataclasses.MISSING else field.default)
+        for field in dataclasses.fields(call_type)
+    )
+    return ((("self", empty),) if method else ()) + fields
+
+
+@dataclasses.dataclass(frozen=True)
+class HookRecord:
+    """One sglang target and gpu_planner's hook on it.
+
+    `hook` takes the target's own arguments and raises `fallback.Fallback` to
+    run the original; `parameters` are the target's, as sglang 0.5.23 has them
+    (from the call dataclass the hook binds its arguments with); `compile`
+    runs once the hook is registered, so no request waits for compilation.
+    """
+
+    target: str
+    hook: Callable
+    parameters: Parameters
+    compile: Callable[[], None] | None = None
+
+
 def plugin_disabled() -> bool:
     """True when GPU_PLANNER_DISABLE asks for sglang's own code."""
-    return os.environ.get("GPU_PLANNER_DISABLE", "").strip().lower() in ("1", "true", "yes")
+    return settings.get(settings.DISABLE)
 
 
 def register() -> None:
@@ -48,22 +76,18 @@ def register() -> None:
     try:
         from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-        hooks = hook_targets()
+        records = hook_records()
     except ImportError as error:
         log_fallback_once(f"sglang's Mooncake connector does not import ({error})")
         return
-    for target, (hook, expected) in hooks.items():
-        mismatch = target_mismatch(target, expected)
+    for record in records:
+        mismatch = target_mismatch(record.target, record.parameters)
         if mismatch is not None:
             log_fallback_once(mismatch)
             continue
-        HookRegistry.register(target, hook, HookType.AROUND)
-        if target == SEND_TARGET:  # sends plan on the CPU backend: compile before the first
-            cpu_backend.compile_kernels()
-        if target in (SLICE_TARGET, SWA_SLICE_TARGET):
-            head_slices.compile_kernels()
-        if target == PAGES_TARGET:  # pages convert on the GPU: compile once it is selected
-            HookRegistry.register(WARMUP_TARGET, warm_up_after_manager_init, HookType.AFTER)
+        HookRegistry.register(record.target, around(record.hook), HookType.AROUND)
+        if record.compile is not None:
+            record.compile()
 
 
 def warm_up_after_manager_init(result: None, *args: object, **kwargs: object) -> None:
@@ -86,20 +110,46 @@ def warm_up_after_manager_init(result: None, *args: object, **kwargs: object) ->
     return None
 
 
-def hook_targets() -> dict[str, tuple[Callable, Parameters]]:
-    """Each hooked target: (hook, the target parameters it mirrors). ImportError without sglang."""
+def _register_warm_up() -> None:
+    """Pages convert on the GPU: compile the kernels once sglang has selected it."""
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    HookRegistry.register(WARMUP_TARGET, warm_up_after_manager_init, HookType.AFTER)
+
+
+def hook_records() -> list[HookRecord]:
+    """Every hook, in registration order. ImportError without sglang's Mooncake connector."""
     # Imported here: these pull in sglang's Mooncake connector, which only
     # sglang processes (not `import gpu_planner`) should pay for.
-    from gpu_planner.integration.sglang import pages as sglang_pages
-    from gpu_planner.integration.sglang import send as sglang_send
-    from gpu_planner.integration.sglang import send_slice
+    from gpu_planner.integration.sglang import pages, send, send_slice
+    from gpu_planner.integration.sglang.entries import SendCall
 
-    return {
-        SEND_TARGET: (sglang_send.send_kvcache_generic_hook, sglang_send.HOOKED_PARAMETERS),
-        SLICE_TARGET: (send_slice.send_kvcache_slice_hook, send_slice.SLICE_PARAMETERS),
-        SWA_SLICE_TARGET: (send_slice.send_swa_state_slice_hook, send_slice.SWA_SLICE_PARAMETERS),
-        PAGES_TARGET: (sglang_pages.kv_to_page_indices_hook, sglang_pages.HOOKED_PARAMETERS),
-    }
+    return [
+        HookRecord(
+            SEND_TARGET,
+            send.send_kvcache_generic_hook,
+            call_parameters(SendCall, method=True),
+            cpu_backend.compile_kernels,  # sends plan on the CPU backend
+        ),
+        HookRecord(
+            SLICE_TARGET,
+            send_slice.send_kvcache_slice_hook,
+            call_parameters(send_slice.SliceCall, method=True),
+            head_slices.compile_kernels,
+        ),
+        HookRecord(
+            SWA_SLICE_TARGET,
+            send_slice.send_swa_state_slice_hook,
+            call_parameters(send_slice.SwaSliceCall, method=True),
+            head_slices.compile_kernels,
+        ),
+        HookRecord(
+            PAGES_TARGET,
+            pages.kv_to_page_indices_hook,
+            call_parameters(pages.PagesCall, method=False),
+            _register_warm_up,
+        ),
+    ]
 
 
 def target_mismatch(target: str, expected: Parameters) -> str | None:

@@ -1,82 +1,55 @@
 """AROUND hook for sglang's `MooncakeKVManager._send_kvcache_generic`.
 
 sglang groups contiguous pages with NumPy and builds every descriptor in a
-Python double loop. The hook keeps sglang's entry mapping (see
-`entries`) and its engine calls, but plans the runs and descriptors with
-gpu_planner: the same engine calls, with the same descriptors, in the same
-order, and the same return value. Inputs the planner does not model fall back
-to the original function, logged once per reason.
-
-sglang's `MooncakeTransferEngine.batch_transfer_sync` hands Mooncake Python
-lists and turns an exception into -1. When the Mooncake engine inside it takes
-descriptor arrays (0.3.14+, see `mooncake.handoff`), the hook calls
-`batch_transfer_sync_write_arrays` on it directly with views of the plan's
-columns, with the same session and the same exception-to--1 rule. With a
-custom memory pool sglang makes one call per buffer from its executor; the hook
-makes the same calls in the same order from the executor's threads
+Python double loop. The hook keeps sglang's entry mapping (see `entries`)
+and its engine calls, but plans the runs and descriptors with gpu_planner:
+the same engine calls, with the same descriptors, in the same order, and the
+same return value. Inputs the planner does not model raise `Fallback`: the
+original runs (`fallback`). The calls go through sglang's engine wrapper as
+`adapter` hands them over (descriptor arrays on Mooncake 0.3.14+). With a
+custom memory pool sglang makes one call per buffer from its executor; the
+hook makes the same calls in the same order from the executor's threads
 (`layer_calls`).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
-import dataclasses
 import functools
-import inspect
-import logging
 import time
-from collections.abc import Callable
 
 import numpy as np
 from sglang.srt.disaggregation.mooncake import conn
-from sglang.srt.distributed.device_communicators.mooncake_transfer_engine import (
-    MooncakeTransferEngine,
-)
 
 import gpu_planner as gp
-from gpu_planner.integration.mooncake import handoff
+from gpu_planner import settings
 from gpu_planner.integration.sglang import bounds
+from gpu_planner.integration.sglang.adapter import sglang_handoff
 from gpu_planner.integration.sglang.counters import record_send
 from gpu_planner.integration.sglang.entries import Entry, SendCall, transfer_entries
-from gpu_planner.integration.sglang.fallback import log_fallback_once
+from gpu_planner.integration.sglang.fallback import Fallback
 from gpu_planner.integration.sglang.layer_calls import submit_in_order
 
-logger = logging.getLogger(__name__)
 
-# The original's parameters, as the plugin's register() compares them.
-HOOKED_PARAMETERS = (("self", inspect.Parameter.empty),) + tuple(
-    (field.name, inspect.Parameter.empty if field.default is dataclasses.MISSING else field.default)
-    for field in dataclasses.fields(SendCall)
-)
-
-
-def send_kvcache_generic_hook(
-    original: Callable[..., int], manager: conn.MooncakeKVManager, *args, **kwargs
-) -> int:
-    """Plan sglang's KV send with gpu_planner; same engine calls and status as `original`."""
+def send_kvcache_generic_hook(manager: conn.MooncakeKVManager, *args, **kwargs) -> int:
+    """Plan sglang's KV send with gpu_planner; same engine calls and status as sglang's."""
     call = SendCall(*args, **kwargs)
-    reason = _unsupported_reason(call)
-    if reason is not None:
-        log_fallback_once(reason)
-        return original(manager, *args, **kwargs)
+    _check_supported(call)
     entries = transfer_entries(manager, call)
-    if isinstance(entries, int):
-        return entries
     started = time.perf_counter()
     try:
         plan = _plan(manager, call, entries)
     except bounds.OutOfRange as error:
         return bounds.refuse(call.mooncake_session_id, error)
     except gp.PlanValidationError as error:
-        log_fallback_once(f"the planner rejected a send ({error})", key="planner rejected")
-        return original(manager, *args, **kwargs)
+        raise Fallback(f"the planner rejected a send ({error})", key="planner rejected") from None
     if plan is None:
         return 0
     plan_seconds = time.perf_counter() - started
-    path, send = engine_send(manager.engine)
+    engine_handoff = sglang_handoff(manager.engine)
     record_send(
         "generic",
-        path,
+        engine_handoff.form,
         plan.num_descriptors,
         plan.total_bytes,
         plan_seconds,
@@ -85,51 +58,23 @@ def send_kvcache_generic_hook(
     )
     session = call.mooncake_session_id
     if _uses_per_layer_futures(manager):
-        pieces = list(handoff.buffer_batches(plan, path))
+        pieces = list(engine_handoff.pieces(plan, per_buffer=True))
 
         def send_piece(index: int) -> int:
             piece = pieces[index]
-            return send(session, piece.srcs, piece.dsts, piece.lens)
+            return engine_handoff.call(session, piece.srcs, piece.dsts, piece.lens)
 
         futures: list[concurrent.futures.Future] = []
         submit_in_order(call.executor, len(pieces), send_piece, futures)
         return manager._await_transfer_futures(futures)
-    for srcs, dsts, lens in handoff.batches(plan, path):
-        status = send(session, srcs, dsts, lens)
+    for piece in engine_handoff.pieces(plan):
+        status = engine_handoff.call(session, piece.srcs, piece.dsts, piece.lens)
         if status != 0:
             return status
     return 0
 
 
-def engine_send(wrapper: object) -> tuple[handoff.Path, handoff.EngineCall]:
-    """The hand-off path and the call that sends one batch as sglang's `wrapper` would.
-
-    Arrays only through sglang's own `MooncakeTransferEngine.batch_transfer_sync`
-    (not overridden) around a Mooncake engine that has the arrays method;
-    anything else gets the wrapper's own method, with lists.
-    """
-    engine = getattr(wrapper, "engine", None)
-    if (
-        getattr(type(wrapper), "batch_transfer_sync", None)
-        is not MooncakeTransferEngine.batch_transfer_sync
-        or handoff.handoff_path(engine, "write") != handoff.ARRAYS
-    ):
-        return handoff.LISTS, wrapper.batch_transfer_sync
-    write_arrays = engine.batch_transfer_sync_write_arrays
-
-    def send(session: str, srcs: np.ndarray, dsts: np.ndarray, lens: np.ndarray) -> int:
-        try:
-            status = write_arrays(session, srcs, dsts, lens)
-        except Exception:  # sglang's wrapper: any engine exception is status -1
-            status = -1
-        if status < 0:
-            logger.debug("Failed to batch transfer %d descriptors to %s", len(lens), session)
-        return status
-
-    return handoff.ARRAYS, send
-
-
-@functools.lru_cache(maxsize=256)
+@functools.lru_cache(maxsize=settings.get(settings.LAYOUT_CACHE_SIZE))
 def _layout(
     src_ptrs: tuple[int, ...],
     dst_ptrs: tuple[int, ...],
@@ -165,19 +110,18 @@ def _uses_per_layer_futures(manager: conn.MooncakeKVManager) -> bool:
     return manager.enable_custom_mem_pool and manager.custom_mem_pool_type != "INTRA_NODE_NVLINK"
 
 
-def _unsupported_reason(call: SendCall) -> str | None:
-    """Why the original must run (it raises or asserts on these inputs), else None."""
+def _check_supported(call: SendCall) -> None:
+    """`Fallback` where the original must run (it raises or asserts on these inputs)."""
     pages = (call.prefill_data_indices, call.dst_data_indices)
     if call.dst_device_data_indices is not None:
         pages += (call.dst_device_data_indices,)
     if not all(isinstance(p, np.ndarray) and p.ndim == 1 for p in pages):
-        return "page indices are not 1-D NumPy arrays"
+        raise Fallback("page indices are not 1-D NumPy arrays")
     src_size = call.prefill_data_indices.size
     if any(p.size not in (0, src_size) for p in pages) and src_size:
-        return "page lists of unequal lengths"
+        raise Fallback("page lists of unequal lengths")
     if call.dst_device_data_ptrs and call.dst_device_data_indices is None:
-        return "device destination buffers without device page indices"
-    return None
+        raise Fallback("device destination buffers without device page indices")
 
 
 def _plan(

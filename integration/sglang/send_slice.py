@@ -11,23 +11,21 @@ compiled pass without the GIL (`gpu_planner.head_slices`), then make one
 engine call per layer from the executor's threads, in sglang's order, awaited
 by the manager's own `_await_transfer_futures` (one task per executor thread
 that takes the layers in turn, rather than one submitted task per layer:
-`layer_calls`). Through sglang's wrapper around a
-Mooncake 0.3.14 engine the calls take the descriptor arrays directly
-(`send.engine_send`); otherwise each layer's lists are built in its executor
-thread, as sglang does. Inputs sglang does not handle the way the builder
-does (non-array or unequal page lists, values outside [0, 2**63)) run the
-original, logged once per reason.
+`layer_calls`). Through sglang's wrapper around a Mooncake 0.3.14 engine the
+calls take the descriptor arrays directly (`adapter`); otherwise each layer's
+lists are built in its executor thread, as sglang does. Inputs sglang does
+not handle the way the builder does (non-array or unequal page lists, values
+outside [0, 2**63)) raise `Fallback`: the original runs (`fallback`).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import functools
-import inspect
-import threading
 import time
-from collections.abc import Callable
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -37,16 +35,18 @@ from sglang.srt.disaggregation.common.staging_buffer import (
 )
 from sglang.srt.disaggregation.mooncake import conn
 
+from gpu_planner import settings
+from gpu_planner.block_pool import BlockPool
 from gpu_planner.errors import PlanValidationError
 from gpu_planner.head_slices import HeadSliceDescriptors, HeadSliceLayout, head_slice_descriptors
-from gpu_planner.integration.mooncake import handoff
-from gpu_planner.integration.sglang import bounds
+from gpu_planner.integration.sglang import bounds, gathered
+from gpu_planner.integration.sglang.adapter import sglang_handoff
 from gpu_planner.integration.sglang.counters import record_send
-from gpu_planner.integration.sglang.fallback import log_fallback_once
+from gpu_planner.integration.sglang.fallback import Failed, Fallback
 from gpu_planner.integration.sglang.layer_calls import submit_in_order
-from gpu_planner.integration.sglang.send import engine_send
 
-_EMPTY = inspect.Parameter.empty
+# Descriptor address blocks, reused from send to send (see `_build`).
+ADDRESS_POOL = BlockPool(settings.get(settings.ADDRESS_RETAINED_BYTES))
 
 
 @dataclasses.dataclass
@@ -80,21 +80,7 @@ class SwaSliceCall:
     executor: concurrent.futures.Executor
 
 
-def _parameters(call_type: type) -> tuple[tuple[str, object], ...]:
-    """The original's parameters as the plugin's register() compares them: self, then the call's."""
-    return (("self", _EMPTY),) + tuple(
-        (field.name, _EMPTY if field.default is dataclasses.MISSING else field.default)
-        for field in dataclasses.fields(call_type)
-    )
-
-
-SLICE_PARAMETERS = _parameters(SliceCall)
-SWA_SLICE_PARAMETERS = _parameters(SwaSliceCall)
-
-
-def send_kvcache_slice_hook(
-    original: Callable[..., int], manager: conn.MooncakeKVManager, *args, **kwargs
-) -> int:
+def send_kvcache_slice_hook(manager: conn.MooncakeKVManager, *args, **kwargs) -> int:
     """sglang's head-sliced KV send, descriptors built compiled; same calls and status."""
     call = SliceCall(*args, **kwargs)
     kv_args = manager.kv_args
@@ -114,8 +100,6 @@ def send_kvcache_slice_hook(
         total_kv_heads,
     )
     layer_pairs = _slice_layer_pairs(manager, call, src_kv_item_len)
-    if layer_pairs is None:
-        return -1
     slice_len = num_heads * head_len
     if slice_len > call.dst_kv_item_len // page_size:
         conn.logger.error(
@@ -124,9 +108,6 @@ def send_kvcache_slice_hook(
         )
         return -1
     pages = _page_arrays(call.prefill_kv_indices, call.dst_kv_indices, lists=False)
-    if isinstance(pages, str):
-        log_fallback_once(pages)
-        return original(manager, *args, **kwargs)
     try:
         _check_kv_slice_bounds(
             manager,
@@ -139,7 +120,7 @@ def send_kvcache_slice_hook(
     except bounds.OutOfRange as error:
         return bounds.refuse(call.mooncake_session_id, error)
     started = time.perf_counter()
-    try:
+    with _planner_rejections():
         layout = _kv_slice_layout(
             tuple(layer_pairs),
             page_size,
@@ -149,13 +130,23 @@ def send_kvcache_slice_hook(
             dst_head_start * head_len,
             slice_len,
         )
-        descriptors, block = _build(layout, pages)
+        if gathered.gathers(manager.attn_tp_size, call.dst_attn_tp_size):
+            status = gathered.send_gathered(
+                manager, call.mooncake_session_id, layout, pages, call.executor
+            )
+            if status is not None:  # None: staging unavailable, per-token descriptors
+                return status
+        descriptors = _build(layout, pages)
+    return _send_layers(manager, call.mooncake_session_id, descriptors, call.executor, started)
+
+
+@contextlib.contextmanager
+def _planner_rejections() -> Iterator[None]:
+    """Turn the builder's `PlanValidationError` into a fallback to sglang's original."""
+    try:
+        yield
     except PlanValidationError as error:
-        log_fallback_once(f"a head-sliced send was rejected ({error})", key="slice rejected")
-        return original(manager, *args, **kwargs)
-    return _send_layers(
-        manager, call.mooncake_session_id, descriptors, block, call.executor, started
-    )
+        raise Fallback(f"a head-sliced send was rejected ({error})", key="slice rejected") from None
 
 
 def _check_kv_slice_bounds(
@@ -195,7 +186,7 @@ def _check_kv_slice_bounds(
     )
 
 
-@functools.lru_cache(maxsize=64)
+@functools.lru_cache(maxsize=settings.get(settings.LAYOUT_CACHE_SIZE))
 def _kv_slice_layout(
     layer_pairs: tuple[tuple[int, int], ...],
     page_size: int,
@@ -227,8 +218,8 @@ def _kv_slice_layout(
 
 def _slice_layer_pairs(
     manager: conn.MooncakeKVManager, call: SliceCall, src_kv_item_len: int
-) -> list[tuple[int, int]] | None:
-    """sglang's (src, dst) buffer of each layer in send order; None (logged) where it returns -1."""
+) -> list[tuple[int, int]]:
+    """sglang's (src, dst) buffer of each layer in send order; `Failed` (logged) where it fails."""
     kv_args = manager.kv_args
     src_data_ptrs = kv_args.kv_data_ptrs
     src_layer_ids = kv_args.kv_layer_ids
@@ -239,7 +230,7 @@ def _slice_layer_pairs(
                 f"[{call.mooncake_session_id}] head-sliced transfer assumes one item "
                 f"length for every KV entry, got {set(kv_args.kv_item_lens)}"
             )
-            return None
+            raise Failed(-1)
         pairs = conn.build_transfer_entry_pairs(
             src_layer_ids,
             call.dst_layer_ids or [],
@@ -256,9 +247,7 @@ def _slice_layer_pairs(
     ]
 
 
-def send_swa_state_slice_hook(
-    original: Callable[..., int], manager: conn.MooncakeKVManager, *args, **kwargs
-) -> int:
+def send_swa_state_slice_hook(manager: conn.MooncakeKVManager, *args, **kwargs) -> int:
     """sglang's head-sliced SWA state send, descriptors built compiled; same calls and status.
 
     Where sglang's `_get_mha_head_slice_blocks` raises (PP > 1, a layout other
@@ -268,33 +257,29 @@ def send_swa_state_slice_hook(
     call = SwaSliceCall(*args, **kwargs)
     layout = _swa_layout(manager, call)
     pages = _page_arrays(call.prefill_swa_page_indices, call.dst_swa_page_indices, lists=True)
-    if layout is None or isinstance(pages, str):
-        if isinstance(pages, str):
-            log_fallback_once(pages)
-        return original(manager, *args, **kwargs)
     try:
         _check_swa_slice_bounds(manager, layout, pages)
     except bounds.OutOfRange as error:
         return bounds.refuse(call.req.mooncake_session_id, error)
     started = time.perf_counter()
-    try:
-        descriptors, block = _build(layout, pages)
-    except PlanValidationError as error:
-        log_fallback_once(f"a head-sliced send was rejected ({error})", key="slice rejected")
-        return original(manager, *args, **kwargs)
+    with _planner_rejections():
+        descriptors = _build(layout, pages)
     conn.logger.warning_once(
         "Using SWA state head-slice transfer for different attention TP sizes: "
         f"prefill={manager.attn_tp_size}, decode={call.dst_attn_tp_size}."
     )
-    return _send_layers(
-        manager, call.req.mooncake_session_id, descriptors, block, call.executor, started
-    )
+    return _send_layers(manager, call.req.mooncake_session_id, descriptors, call.executor, started)
 
 
-def _swa_layout(manager: conn.MooncakeKVManager, call: SwaSliceCall) -> HeadSliceLayout | None:
-    """sglang's per-entry head slices of an SWA state send; None where sglang raises."""
+def _sglang_raises() -> Fallback:
+    """An SWA layout sglang's `_get_mha_head_slice_blocks` raises on: the original runs, raises."""
+    return Fallback("an SWA state layout sglang's own send raises on", key="swa layout")
+
+
+def _swa_layout(manager: conn.MooncakeKVManager, call: SwaSliceCall) -> HeadSliceLayout:
+    """sglang's per-entry head slices of an SWA state send; `Fallback` where sglang raises."""
     if manager.pp_size > 1 or manager.kv_args.swa_kv_cache_layout != "nhd":
-        return None
+        raise _sglang_raises()
     src_k, src_v, dst_k, dst_v, num_layers = manager.get_mha_kv_ptrs_with_pp(
         call.src_state_data_ptrs, call.dst_state_data_ptrs
     )
@@ -312,9 +297,9 @@ def _swa_layout(manager: conn.MooncakeKVManager, call: SwaSliceCall) -> HeadSlic
     )
     num_src = len(call.src_state_data_ptrs)
     if len(entries) != num_src or 2 * num_layers != num_src:
-        return None
+        raise _sglang_raises()
     if len(call.prefill_swa_page_indices) != len(call.dst_swa_page_indices):
-        return None
+        raise _sglang_raises()
     total_kv_heads = resolve_total_kv_heads(manager.kv_args, manager.attn_tp_size)
     src_head_start, num_heads, dst_head_start, _ = compute_head_slice_params(
         src_attn_tp_size=manager.attn_tp_size,
@@ -333,13 +318,13 @@ def _swa_layout(manager: conn.MooncakeKVManager, call: SwaSliceCall) -> HeadSlic
             head_len * page_size * src_heads != src_item_len
             or head_len * page_size * dst_heads != dst_item_len
         ):
-            return None
+            raise _sglang_raises()
         head_lens.append(head_len)
     head_lens = np.array(head_lens, dtype=np.int64)
     src_ptrs, dst_ptrs, src_item_lens, dst_item_lens = (
         list(column) for column in zip(*entries, strict=True)
     )
-    try:
+    with _planner_rejections():
         return HeadSliceLayout.build(
             src_ptrs=src_ptrs,
             dst_ptrs=dst_ptrs,
@@ -352,9 +337,6 @@ def _swa_layout(manager: conn.MooncakeKVManager, call: SwaSliceCall) -> HeadSlic
             dst_head_offsets=(dst_head_start * head_lens).tolist(),
             slice_lens=(num_heads * head_lens).tolist(),
         )
-    except PlanValidationError as error:
-        log_fallback_once(f"a head-sliced send was rejected ({error})", key="slice rejected")
-        return None
 
 
 def _check_swa_slice_bounds(
@@ -385,10 +367,8 @@ def _check_swa_slice_bounds(
     )
 
 
-def _page_arrays(
-    src_pages: Any, dst_pages: Any, lists: bool
-) -> tuple[np.ndarray, np.ndarray] | str:
-    """Both page lists flattened as sglang reads them (`reshape(-1)`), or why the original runs.
+def _page_arrays(src_pages: Any, dst_pages: Any, lists: bool) -> tuple[np.ndarray, np.ndarray]:
+    """Both page lists flattened as sglang reads them (`reshape(-1)`); `Fallback` when it can't.
 
     `lists`: sglang takes Python lists of pages too (`np.asarray`), as for SWA state.
     """
@@ -398,89 +378,46 @@ def _page_arrays(
             try:
                 pages = np.asarray(pages, dtype=np.int64)
             except (OverflowError, TypeError, ValueError):
-                return "head-sliced page lists that are not int64 values"
+                raise Fallback("head-sliced page lists that are not int64 values") from None
         if not isinstance(pages, np.ndarray) or pages.dtype.kind not in "iu":
-            return "head-sliced page indices are not integer NumPy arrays"
+            raise Fallback("head-sliced page indices are not integer NumPy arrays")
         arrays.append(pages.reshape(-1))
     if arrays[0].size != arrays[1].size:
-        return "head-sliced page lists of unequal lengths"
+        raise Fallback("head-sliced page lists of unequal lengths")
     return arrays[0], arrays[1]
 
 
-class AddressBlocks:
-    """int64 blocks for the descriptors' addresses, reused from send to send.
+def _build(layout: HeadSliceLayout, pages: tuple[np.ndarray, np.ndarray]) -> HeadSliceDescriptors:
+    """Every layer's descriptors, written into a block borrowed from ADDRESS_POOL.
 
-    At 128k tokens of an 80-layer model the addresses take 335 MB: fresh memory
-    per send costs its page faults, and after other work has fragmented memory
-    the kernel's huge-page compaction (measured: 0.6-0.8 s to first touch
-    instead of 20 ms). A block comes back once every engine call of its send
-    has ended (cancelled ones included), so no running call reads a reused
-    block. At most `MAX_FREE` free blocks are kept (one per concurrent send).
+    The addresses of a large send are hundreds of MB: fresh memory per send
+    costs its page faults and, once memory is fragmented, the kernel's
+    huge-page compaction. The block goes back to the pool when the
+    descriptors and every view of them are gone: after the last engine call
+    that reads them has ended, whichever thread ran it (docs/sglang.md).
     """
-
-    MAX_FREE = 2
-
-    def __init__(self) -> None:
-        self._free: list[np.ndarray] = []
-        self._lock = threading.Lock()
-
-    @property
-    def free(self) -> tuple[np.ndarray, ...]:
-        """The blocks kept for later sends."""
-        with self._lock:
-            return tuple(self._free)
-
-    def take(self, size: int) -> np.ndarray:
-        """The smallest free block of at least `size` values, else a new one."""
-        with self._lock:
-            fitting = [i for i, block in enumerate(self._free) if block.size >= size]
-            if fitting:
-                return self._free.pop(min(fitting, key=lambda i: self._free[i].size))
-        return np.empty(size, dtype=np.int64)
-
-    def give_back(self, block: np.ndarray) -> None:
-        """Keep `block` for a later send; past MAX_FREE blocks the smallest is freed."""
-        with self._lock:
-            self._free.append(block)
-            if len(self._free) > self.MAX_FREE:
-                smallest = min(range(len(self._free)), key=lambda i: self._free[i].size)
-                del self._free[smallest]
-
-
-ADDRESS_BLOCKS = AddressBlocks()
-
-
-def _build(
-    layout: HeadSliceLayout, pages: tuple[np.ndarray, np.ndarray]
-) -> tuple[HeadSliceDescriptors, np.ndarray]:
-    """Every layer's descriptors, written into a block of ADDRESS_BLOCKS; (descriptors, block)."""
-    block = ADDRESS_BLOCKS.take(2 * layout.num_layers * pages[0].size * layout.page_size)
-    try:
-        return head_slice_descriptors(layout, *pages, out=block), block
-    except PlanValidationError:
-        ADDRESS_BLOCKS.give_back(block)
-        raise
+    num_values = 2 * layout.num_layers * pages[0].size * layout.page_size
+    block = ADDRESS_POOL.borrow(8 * num_values).view(np.int64)
+    return head_slice_descriptors(layout, *pages, out=block)
 
 
 def _send_layers(
     manager: conn.MooncakeKVManager,
     session: str,
     descriptors: HeadSliceDescriptors,
-    block: np.ndarray,
     executor: concurrent.futures.Executor,
     started: float,
 ) -> int:
     """One engine call per layer from `executor`, in layer order (`layer_calls`); sglang's status.
 
-    A layer without descriptors returns 0 without a call, as in sglang. The
-    block goes back to ADDRESS_BLOCKS when the last call has ended. `started`
-    (perf_counter) is when the build began: the plan time counted.
+    A layer without descriptors returns 0 without a call, as in sglang.
+    `started` (perf_counter) is when the build began: the plan time counted.
     """
     plan_seconds = time.perf_counter() - started
-    path, send = engine_send(manager.engine)
+    engine_handoff = sglang_handoff(manager.engine)
     record_send(
         "slice",
-        path,
+        engine_handoff.form,
         descriptors.addresses[0].size,
         int(descriptors.slice_lens.sum()) * descriptors.num_tokens,
         plan_seconds,
@@ -490,38 +427,8 @@ def _send_layers(
     def send_layer(layer: int) -> int:
         if descriptors.num_tokens == 0:
             return 0
-        srcs, dsts, lens = descriptors.layer(layer)
-        if path == handoff.LISTS:  # as sglang builds them: the lengths list repeats one int
-            return send(session, srcs.tolist(), dsts.tolist(), [int(lens[0])] * lens.size)
-        return send(session, srcs, dsts, lens)
+        return engine_handoff.call(session, *engine_handoff.columns(*descriptors.layer(layer)))
 
     futures: list[concurrent.futures.Future] = []
-    try:
-        submit_in_order(executor, descriptors.addresses.shape[1], send_layer, futures)
-        return manager._await_transfer_futures(futures)
-    finally:
-        _give_back_when_ended(block, futures)
-
-
-def _give_back_when_ended(block: np.ndarray, futures: list[concurrent.futures.Future]) -> None:
-    """Give `block` back to ADDRESS_BLOCKS once every one of `futures` has ended.
-
-    Called after the send's await: only tasks still running (sglang returns
-    at the first failure) get a done callback.
-    """
-    running = [future for future in futures if not future.done()]
-    if not running:
-        ADDRESS_BLOCKS.give_back(block)
-        return
-    count = [len(running)]
-    lock = threading.Lock()
-
-    def ended(_: concurrent.futures.Future) -> None:
-        with lock:
-            count[0] -= 1
-            last = count[0] == 0
-        if last:
-            ADDRESS_BLOCKS.give_back(block)
-
-    for future in running:
-        future.add_done_callback(ended)
+    submit_in_order(executor, descriptors.addresses.shape[1], send_layer, futures)
+    return manager._await_transfer_futures(futures)

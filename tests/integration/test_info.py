@@ -6,10 +6,9 @@ import importlib.metadata
 
 import pytest
 
+from gpu_planner import settings
 from gpu_planner.cli import main
 from gpu_planner.integration import info
-from gpu_planner.integration.mooncake import handoff
-from gpu_planner.integration.sglang import send as sglang_send
 from gpu_planner.integration.sglang.plugin import PAGES_TARGET, SEND_TARGET
 
 
@@ -26,7 +25,7 @@ def run_info(capsys) -> dict[str, str]:
 
 @pytest.fixture(autouse=True)
 def clean_environment(monkeypatch):
-    monkeypatch.delenv(handoff.HANDOFF_ENV, raising=False)
+    monkeypatch.delenv(settings.HANDOFF.name, raising=False)
     monkeypatch.delenv("GPU_PLANNER_DISABLE", raising=False)
 
 
@@ -45,15 +44,14 @@ def test_info_reports_this_environment(capsys):
 
 
 def test_info_shows_forced_lists_and_a_disabled_plugin(capsys, monkeypatch):
-    monkeypatch.setenv(handoff.HANDOFF_ENV, "lists")
+    monkeypatch.setenv(settings.HANDOFF.name, "lists")
     monkeypatch.setenv("GPU_PLANNER_DISABLE", "1")
     rows = run_info(capsys)
-    assert rows["write hand-off"] == f"lists ({handoff.HANDOFF_ENV}=lists)"
+    assert rows["write hand-off"] == f"lists ({settings.HANDOFF.name}=lists)"
     assert "GPU_PLANNER_DISABLE" in rows["plugin"]
 
 
-def test_info_names_a_target_whose_signature_changed(capsys, monkeypatch):
-    monkeypatch.setattr(sglang_send, "HOOKED_PARAMETERS", sglang_send.HOOKED_PARAMETERS[:-1])
+def test_info_names_a_target_whose_signature_changed(capsys, send_signature_changed):
     rows = run_info(capsys)
     assert rows[SEND_TARGET].startswith("not hooked: ")
     assert "bootstrap_room" in rows[SEND_TARGET]

@@ -14,10 +14,11 @@ import sys
 import pytest
 from demo_support import small_config
 
+from gpu_planner import settings
 from gpu_planner.integration.demo import run
 from gpu_planner.integration.demo.run import DemoReport, Verification, format_report, run_demo
 from gpu_planner.integration.demo.sides import Planned
-from gpu_planner.integration.mooncake import handoff
+from gpu_planner.plan import PlanPiece
 
 SCENARIOS = {
     "host-only-batch-7": small_config(device_fraction=0.0, max_batch_pages=7),
@@ -88,13 +89,13 @@ def test_an_engine_exception_ends_both_sides_cleanly(mode, monkeypatch):
     # The planning side's last batch names an address Mooncake's binding refuses (a Python int
     # >= 2**64, lists hand-off): the engine raises TypeError. The demo must report a
     # TransferError, tell the peer, and the peer must verify and exit 0.
-    monkeypatch.setenv(handoff.HANDOFF_ENV, "lists")
+    monkeypatch.setenv(settings.HANDOFF.name, "lists")
     plan_request = run.plan_request
 
     def plan_with_an_unreachable_batch(*args, **kwargs) -> Planned:
         planned = plan_request(*args, **kwargs)
-        srcs, dsts, lens = planned.work[-1]
-        planned.work.append((srcs, [2**64 + dst for dst in dsts], lens))
+        batch, _, srcs, dsts, lens = planned.work[-1]
+        planned.work.append(PlanPiece(batch + 1, None, srcs, [2**64 + dst for dst in dsts], lens))
         return planned
 
     monkeypatch.setattr(run, "plan_request", plan_with_an_unreachable_batch)

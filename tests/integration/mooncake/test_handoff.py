@@ -14,9 +14,11 @@ import logging
 
 import numpy as np
 import pytest
+from conftest import list_batches
 from mooncake_peer import changed_pages, expected_after, page_request, two_sides
 
 import gpu_planner as gp
+from gpu_planner import settings
 from gpu_planner.integration.mooncake import MooncakeReader, MooncakeSender, handoff
 
 ITEM_LEN = 256
@@ -61,9 +63,9 @@ def expected_calls(path: str, direction: str, count: int) -> list[tuple[str, tup
 def path(request, monkeypatch) -> str:
     """The hand-off under test; the list path is forced through the environment variable."""
     if request.param == handoff.LISTS:
-        monkeypatch.setenv(handoff.HANDOFF_ENV, "lists")
+        monkeypatch.setenv(settings.HANDOFF.name, "lists")
     else:
-        monkeypatch.delenv(handoff.HANDOFF_ENV, raising=False)
+        monkeypatch.delenv(settings.HANDOFF.name, raising=False)
     return request.param
 
 
@@ -79,9 +81,9 @@ def test_transfer_moves_every_byte(path: str, direction: str, buffer_workers: in
         with sides.transfer(
             engine, sides.peer.session_id, buffer_workers=buffer_workers
         ) as transfer:
-            assert transfer.handoff_path == path
+            assert transfer.handoff.form == path
             assert transfer.submit(plan) == plan.total_bytes
-        calls = len(list(plan.buffer_batches() if buffer_workers else plan.batches()))
+        calls = len(list(plan.pieces(per_buffer=bool(buffer_workers))))
         assert calls > 1
         assert engine.calls == expected_calls(path, transfer.direction, calls)
         expected = expected_after(
@@ -93,11 +95,11 @@ def test_transfer_moves_every_byte(path: str, direction: str, buffer_workers: in
 def test_real_engine_paths(monkeypatch):
     from mooncake.engine import TransferEngine
 
-    monkeypatch.delenv(handoff.HANDOFF_ENV, raising=False)
-    assert handoff.engine_type_path(TransferEngine, "write") == handoff.ARRAYS
-    assert handoff.engine_type_path(TransferEngine, "read") == handoff.ARRAYS
-    monkeypatch.setenv(handoff.HANDOFF_ENV, "lists")
-    assert handoff.engine_type_path(TransferEngine, "read") == handoff.LISTS
+    monkeypatch.delenv(settings.HANDOFF.name, raising=False)
+    assert handoff.engine_form(TransferEngine, "write") == handoff.ARRAYS
+    assert handoff.engine_form(TransferEngine, "read") == handoff.ARRAYS
+    monkeypatch.setenv(settings.HANDOFF.name, "lists")
+    assert handoff.engine_form(TransferEngine, "read") == handoff.LISTS
 
 
 # The hand-off's plan views and argument order, without an engine.
@@ -136,18 +138,18 @@ def small_plan(max_batch_pages: int = 3) -> gp.TransferPlan:
 
 @pytest.mark.parametrize(("engine_type", "path"), [(WithArrays, "arrays"), (ListsOnly, "lists")])
 def test_submit_passes_reads_local_side_first(monkeypatch, engine_type, path):
-    monkeypatch.delenv(handoff.HANDOFF_ENV, raising=False)
+    monkeypatch.delenv(settings.HANDOFF.name, raising=False)
     plan = small_plan()
     engine = engine_type()
     with MooncakeReader(engine, "peer", batch_timeout_s=None) as reader:
         assert reader.submit(plan) == plan.total_bytes
     method = "read_arrays" if path == "arrays" else "read"
-    expected = [(method, "peer", dsts, srcs, lens) for srcs, dsts, lens in plan.batches()]
+    expected = [(method, "peer", dsts, srcs, lens) for srcs, dsts, lens in list_batches(plan)]
     assert [(m, p, list(a), list(b), list(c)) for m, p, a, b, c in engine.calls] == expected
 
 
 def test_path_is_logged_once_per_engine_class(monkeypatch, caplog):
-    monkeypatch.delenv(handoff.HANDOFF_ENV, raising=False)
+    monkeypatch.delenv(settings.HANDOFF.name, raising=False)
 
     class FreshEngine(WithArrays):  # a class no other test has logged
         pass

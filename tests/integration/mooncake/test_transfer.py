@@ -18,6 +18,7 @@ from collections.abc import Iterator
 
 import numpy as np
 import pytest
+from conftest import list_batches
 from mooncake_peer import (
     LOCALHOST,
     HookedEngine,
@@ -38,6 +39,7 @@ from gpu_planner.integration.mooncake import (
     TransferTimeoutError,
     handoff,
 )
+from gpu_planner.plan import PlanPiece
 
 DIRECTIONS = ["push", "pull"]
 ITEM_LEN = 4096
@@ -68,7 +70,7 @@ def _expected(sides: Sides, pages, num_pages: int = NUM_PAGES) -> list[np.ndarra
 
 
 def _batch_bytes(plan: gp.TransferPlan, batches: int) -> int:
-    return sum(sum(lens) for *_, lens in list(plan.batches())[:batches])
+    return sum(sum(lens) for *_, lens in list_batches(plan)[:batches])
 
 
 @pytest.mark.parametrize("buffer_workers", [0, 3])
@@ -82,10 +84,10 @@ def test_each_batch_is_submitted_in_order_and_every_byte_arrives(direction, buff
         with sides.transfer(engine, sides.peer.session_id, buffer_workers=buffer_workers) as t:
             assert t.submit(plan) == plan.total_bytes
         if buffer_workers:
-            pieces = [tuple(piece[2:]) for piece in plan.buffer_batches()]
+            pieces = [tuple(piece[2:]) for piece in plan.pieces(per_buffer=True, lists=True)]
             assert sorted(engine.calls) == sorted(pieces)
         else:
-            assert engine.calls == list(plan.batches())  # the peer's addresses as sources on a read
+            assert engine.calls == list_batches(plan)  # the peer's addresses as sources on a read
         assert changed_pages(sides.destination(), _expected(sides, pages), ITEM_LEN) == 0
 
 
@@ -143,7 +145,7 @@ def failed_at_batch_3(direction: str, fault: str) -> Iterator[Failed]:
 def test_a_dead_peer_fails_the_batch_at_once_and_stops(direction):
     with failed_at_batch_3(direction, "kill") as failed:
         error = failed.error
-        assert len(list(failed.plan.batches())) > 4
+        assert len(list_batches(failed.plan)) > 4
         # Mooncake itself reports the dead peer (connection refused or reset): not our bound.
         assert not isinstance(error, TransferTimeoutError)
         assert error.batch_index == 3 and error.in_flight == ()
@@ -181,7 +183,7 @@ def test_an_address_the_binding_refuses_is_a_transfer_error(direction, buffer_wo
     pages = page_request(NUM_PAGES, POOL_PAGES)
     with _sides(direction) as sides:
         plan = _plan(sides, pages)
-        batches = list(plan.batches())
+        batches = list_batches(plan)
         srcs, dsts, lens = batches[2]
         batches[2] = (srcs, [*dsts[:-1], 2**64 + dsts[-1]], lens)
         engine = HookedEngine(sides.local.engine)
@@ -190,10 +192,12 @@ def test_an_address_the_binding_refuses_is_a_transfer_error(direction, buffer_wo
             sides.peer.session_id,
             buffer_workers=buffer_workers,
             batch_timeout_s=30.0,
-            handoff_path=handoff.LISTS,
+            handoff_form=handoff.LISTS,
         )
         with transfer, pytest.raises(TransferError, match="batch 2.*TypeError") as caught:
-            transfer.submit_batches(batches)
+            transfer.submit_pieces(
+                PlanPiece(index, None, *batch) for index, batch in enumerate(batches)
+            )
         assert isinstance(caught.value.__cause__, TypeError)
         assert caught.value.batch_index == 2
         assert caught.value.confirmed_bytes == _batch_bytes(plan, 2)
@@ -346,14 +350,14 @@ def test_a_batch_larger_than_the_tcp_queue_is_split_into_queue_sized_calls(
             sides.peer.session_id,
             buffer_workers=buffer_workers,
             max_call_descriptors=queue,
-            handoff_path=path,
+            handoff_form=path,
         )
         with transfer:
             assert transfer.submit(plan) == plan.total_bytes
         limit = queue // max(buffer_workers, 1)
         assert max(len(lens) for *_, lens in engine.calls) == limit
         called = sorted(triple for call in engine.calls for triple in zip(*call, strict=True))
-        assert called == sorted(zip(*next(iter(plan.batches())), strict=True))
+        assert called == sorted(zip(*next(iter(list_batches(plan))), strict=True))
         assert changed_pages(sides.destination(), _expected(sides, pages), ITEM_LEN) == 0
 
 

@@ -238,11 +238,11 @@ def test_submitted_and_confirmed_bytes_are_exact_past_int64(path, buffer_workers
     plan = huge_overlapping_plan()
     engine = BlockingEngine(raise_at={1: RuntimeError("the second call fails")})
     with MooncakeSender(
-        BlockingEngine(), "peer", buffer_workers=buffer_workers, handoff_path=path
+        BlockingEngine(), "peer", buffer_workers=buffer_workers, handoff_form=path
     ) as transfer:
         assert transfer.submit(plan) == 2**64
     with (
-        MooncakeSender(engine, "peer", max_call_descriptors=3, handoff_path=path) as transfer,
+        MooncakeSender(engine, "peer", max_call_descriptors=3, handoff_form=path) as transfer,
         pytest.raises(TransferError, match=r"1 descriptors, 4611686018427387904 bytes") as caught,
     ):
         transfer.submit(plan)

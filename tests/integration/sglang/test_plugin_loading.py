@@ -14,7 +14,6 @@ from sglang_send_scenarios import SESSION
 
 from gpu_planner.integration.sglang import fallback as sglang_fallback
 from gpu_planner.integration.sglang import plugin as sglang_plugin
-from gpu_planner.integration.sglang import send as sglang_send
 from gpu_planner.integration.sglang.plugin import (
     PAGES_TARGET,
     SEND_TARGET,
@@ -75,10 +74,11 @@ def test_register_hooks_both_targets(fresh_registry, monkeypatch):
     )
 
 
-def test_other_signature_is_left_to_sglang(fresh_registry, monkeypatch, caplog):
+def test_other_signature_is_left_to_sglang(
+    fresh_registry, monkeypatch, caplog, send_signature_changed
+):
     """A sglang whose send method has other parameters keeps its own code, logged at INFO."""
     monkeypatch.delenv("GPU_PLANNER_DISABLE", raising=False)
-    monkeypatch.setattr(sglang_send, "HOOKED_PARAMETERS", sglang_send.HOOKED_PARAMETERS[:-1])
     with caplog.at_level(logging.INFO, logger=PLUGIN_LOGGER):
         sglang_plugin.register()
     assert list(fresh_registry._hooks) == HOOKS_BUT_GENERIC_SEND

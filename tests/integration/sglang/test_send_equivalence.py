@@ -27,7 +27,7 @@ from sglang_plugin_support import (
 )
 from sglang_send_scenarios import LAYOUT_KINDS, SESSION, SendScenario, send_scenarios
 
-from gpu_planner.integration.sglang import send as sglang_send
+from gpu_planner.integration.sglang import fallback
 
 EXECUTOR = concurrent.futures.ThreadPoolExecutor(max_workers=4)
 POSITIONAL = (
@@ -76,7 +76,7 @@ def check_hooked_send_matches_sglang(kind: str, data, positional: bool):
     expected = run_send(ORIGINALS["send"], scenario, positional)
     fallbacks = []
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(sglang_send, "log_fallback_once", lambda *a, **k: fallbacks.append(a))
+        patch.setattr(fallback, "log_fallback_once", lambda *a, **k: fallbacks.append(a))
         actual = run_send(hooked_send(), scenario, positional)
     assert fallbacks == []  # every generated input is planned, none handed back
     assert actual["error"] == expected["error"]

@@ -24,8 +24,9 @@ from hypothesis import strategies as st
 from sglang_plugin_support import ORIGINALS, hooked_send, make_manager, send_outcome
 from sglang_send_scenarios import LAYOUT_KINDS, SendScenario, send_scenarios
 
+from gpu_planner import settings as gp_settings
 from gpu_planner.integration.mooncake import handoff
-from gpu_planner.integration.sglang import send as sglang_send
+from gpu_planner.integration.sglang.adapter import sglang_handoff
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")
@@ -126,9 +127,9 @@ def check_hand_off(kind: str, raw_type: type, data, raises: bool):
         assert Counter(map(repr, actual["calls"])) == Counter(map(repr, expected["calls"]))
 
 
-def test_engine_send_paths():
-    assert sglang_send.engine_send(sglang_wrapper(ArraysEngine()))[0] == handoff.ARRAYS
-    assert sglang_send.engine_send(sglang_wrapper(ListEngine()))[0] == handoff.LISTS
+def test_sglang_handoff_forms():
+    assert sglang_handoff(sglang_wrapper(ArraysEngine())).form == handoff.ARRAYS
+    assert sglang_handoff(sglang_wrapper(ListEngine())).form == handoff.LISTS
 
     class OwnWrapper(MooncakeTransferEngine):  # overrides the send: its own code must run
         def batch_transfer_sync(self, *args) -> int:
@@ -136,16 +137,16 @@ def test_engine_send_paths():
 
     own = object.__new__(OwnWrapper)
     own.engine = ArraysEngine()
-    path, send = sglang_send.engine_send(own)
-    assert path == handoff.LISTS
-    assert send("peer", [1], [2], [3]) == 7
+    own_handoff = sglang_handoff(own)
+    assert own_handoff.form == handoff.LISTS
+    assert own_handoff.call("peer", [1], [2], [3]) == 7
 
 
 def test_forced_lists_reach_an_arrays_engine_as_lists(monkeypatch):
-    monkeypatch.setenv(handoff.HANDOFF_ENV, "lists")
-    path, send = sglang_send.engine_send(sglang_wrapper(raw := ArraysEngine()))
-    assert path == handoff.LISTS
-    assert send("peer", [1], [2], [3]) == 0
+    monkeypatch.setenv(gp_settings.HANDOFF.name, "lists")
+    forced = sglang_handoff(sglang_wrapper(raw := ArraysEngine()))
+    assert forced.form == handoff.LISTS
+    assert forced.call("peer", [1], [2], [3]) == 0
     assert raw.argument_types == {list}
 
 
@@ -207,7 +208,7 @@ def test_hooked_send_moves_the_bytes_through_real_engines(
 ):
     prefill, decode = engines
     if path == handoff.LISTS:
-        monkeypatch.setenv(handoff.HANDOFF_ENV, "lists")
+        monkeypatch.setenv(gp_settings.HANDOFF.name, "lists")
     src, dst = registered_pool(prefill, seed=5), registered_pool(decode, seed=None)
     try:
         rng = np.random.default_rng(6)

@@ -30,6 +30,7 @@ from sglang_plugin_support import conn, make_manager
 from test_layer_calls import CountingPool
 from test_send_handoff import ArraysEngine, ListEngine, sglang_wrapper
 
+from gpu_planner.block_pool import BlockPool
 from gpu_planner.integration.sglang import plugin, send_slice
 
 ORIGINAL_SLICE = inspect.unwrap(conn.MooncakeKVManager.send_kvcache_slice)
@@ -62,9 +63,10 @@ def test_the_plugin_hooks_both_slice_sends():
 
 def test_a_changed_signature_is_not_hooked(monkeypatch):
     """register() compares each slice target with the parameters its hook mirrors."""
-    assert plugin.target_mismatch(plugin.SLICE_TARGET, send_slice.SLICE_PARAMETERS) is None
-    assert plugin.target_mismatch(plugin.SWA_SLICE_TARGET, send_slice.SWA_SLICE_PARAMETERS) is None
-    fewer = send_slice.SLICE_PARAMETERS[:-1]
+    parameters = {record.target: record.parameters for record in plugin.hook_records()}
+    for target in (plugin.SLICE_TARGET, plugin.SWA_SLICE_TARGET):
+        assert plugin.target_mismatch(target, parameters[target]) is None
+    fewer = parameters[plugin.SLICE_TARGET][:-1]
     assert "dst_layer_ids" in plugin.target_mismatch(plugin.SLICE_TARGET, fewer)
 
 
@@ -420,7 +422,7 @@ class HeldLayerEngine(ArraysEngine):
 
 def test_an_address_block_is_reused_only_after_every_call_of_its_send_ended(monkeypatch):
     """sglang returns at the first failure while another layer's call runs: the block waits."""
-    monkeypatch.setattr(send_slice, "ADDRESS_BLOCKS", blocks := send_slice.AddressBlocks())
+    monkeypatch.setattr(send_slice, "ADDRESS_POOL", pool := BlockPool(1 << 30))
     src_ptrs = buffer_ptrs(SRC_BASE, 2)
     raw = HeldLayerEngine(src_ptrs)
     manager = make_manager(sglang_wrapper(raw))
@@ -435,24 +437,15 @@ def test_an_address_block_is_reused_only_after_every_call_of_its_send_ended(monk
         call = (SESSION, pages, buffer_ptrs(DST_BASE, 2), pages, 1, 4, 32, executor)
         status = conn.MooncakeKVManager.send_kvcache_slice(manager, *call)
         assert status == -1
-        assert raw.holding.is_set() and blocks.free == ()  # layer 1's call still reads it
+        assert raw.holding.is_set() and pool.retained_bytes == 0  # layer 1's call still reads it
         raw.release.set()
-    [block] = blocks.free
-    assert all(np.shares_memory(block, column) for column in raw.held_columns)
+    assert pool.retained_bytes == 0  # the engine still holds its call's columns
+    del raw.held_columns
+    returned = pool.retained_bytes
+    assert returned > 0  # nothing views the block any more: back in the pool
     assert conn.MooncakeKVManager.send_kvcache_slice(manager, *call[:-1], ONE_THREAD) == -1
     ONE_THREAD.submit(lambda: None).result()  # its layer 1 call, if it started, has ended
-    assert blocks.free[0] is block  # the next send wrote into it
-
-
-def test_address_blocks_keep_the_largest_free_blocks_and_hand_out_the_smallest_fitting():
-    blocks = send_slice.AddressBlocks()
-    given = [np.empty(size, dtype=np.int64) for size in (30, 10, 20)]
-    for block in given:
-        blocks.give_back(block)
-    assert [block.size for block in blocks.free] == [30, 20]  # MAX_FREE = 2: the 10 went
-    assert blocks.take(15) is given[2]
-    assert blocks.take(15) is given[0]
-    assert blocks.take(15).size == 15  # none left: a new one
+    assert pool.retained_bytes == returned  # the next send took that block, not a new one
 
 
 @pytest.mark.parametrize(("num_layers", "workers"), [(10, 3), (10, 1), (1, 4)])

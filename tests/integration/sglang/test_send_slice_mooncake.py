@@ -18,6 +18,7 @@ import pytest
 from sglang_plugin_support import conn, make_manager
 from test_send_handoff import SpyEngine, sglang_wrapper
 
+from gpu_planner import settings
 from gpu_planner.integration.mooncake import handoff
 from tests.integration.mooncake.mooncake_peer import two_sides
 
@@ -32,7 +33,7 @@ SENT_HEADS = slice(2, 4)  # decode rank 3's heads 6-7 are prefill rank 1's local
 @pytest.mark.parametrize("path", [handoff.ARRAYS, handoff.LISTS])
 def test_hooked_slice_send_moves_the_sent_heads_through_real_engines(monkeypatch, path):
     if path == handoff.LISTS:
-        monkeypatch.setenv(handoff.HANDOFF_ENV, "lists")
+        monkeypatch.setenv(settings.HANDOFF.name, "lists")
     buffers = 2 * LAYERS  # K of every layer, then V
     with two_sides(
         "push", [POOL_PAGES * SRC_ITEM_LEN] * buffers, [POOL_PAGES * DST_ITEM_LEN] * buffers
