@@ -2,8 +2,9 @@
 
 Each `Setting` names its environment variable, its default and what it
 bounds; `get(setting)` reads the variable (unset or empty: the default) and
-raises a `SettingError` naming the variable and what it accepts. docs/settings.md
-documents each one (a test keeps that table and this module in step). Mooncake's
+raises a `SettingError` naming the variable and what it accepts. The caps
+that size caches are read once, when their module loads. docs/settings.md
+documents each one (`markdown_table`; a test keeps the two in step). Mooncake's
 own variables (`MC_*`) are not ours: `integration/mooncake/engine.py` sets the few
 defaults the project starts engines with.
 """
@@ -142,6 +143,15 @@ BATCH_TIMEOUT_S = Setting(
     "default bound on one batch of MooncakeSender/MooncakeReader",
 )
 
+MAX_ABANDONED_CALLS = Setting(
+    "GPU_PLANNER_MAX_ABANDONED_CALLS",
+    16,
+    _count(1),
+    "an integer >= 1",
+    "default cap on engine calls of timed-out batches still running per "
+    "MooncakeSender/MooncakeReader; at the cap batches are refused until they end",
+)
+
 SETTINGS: tuple[Setting, ...] = (
     DISABLE,
     HANDOFF,
@@ -150,4 +160,20 @@ SETTINGS: tuple[Setting, ...] = (
     LAYOUT_CACHE_SIZE,
     GATHER_STAGING_BYTES,
     BATCH_TIMEOUT_S,
+    MAX_ABANDONED_CALLS,
 )
+
+
+def markdown_table() -> str:
+    """docs/settings.md's table: every setting, its default, what it accepts and bounds."""
+    rows = [
+        "| variable | default | accepts | what it does |",
+        "| --- | --- | --- | --- |",
+    ]
+    for setting in SETTINGS:
+        default = setting.default
+        default = (
+            "none" if default is None else int(default) if isinstance(default, bool) else default
+        )
+        rows.append(f"| `{setting.name}` | `{default}` | {setting.accepts} | {setting.meaning} |")
+    return "\n".join(rows) + "\n"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import pytest
 
@@ -59,3 +60,9 @@ def test_values_and_defaults(monkeypatch):
     assert settings.get(settings.HANDOFF) == "lists"
     assert settings.get(settings.BATCH_TIMEOUT_S) is None
     assert staging.pinned_pool().max_retained_bytes == 4096
+
+
+def test_the_docs_table_is_the_modules():
+    docs = (Path(__file__).parents[1] / "docs" / "settings.md").read_text()
+    assert settings.markdown_table() in docs
+    assert len(settings.SETTINGS) == len({setting.name for setting in settings.SETTINGS})

@@ -85,7 +85,6 @@ from gpu_planner.plan import PlanPiece, TransferPlan
 from gpu_planner.profiling import nvtx_range
 
 CallColumns = tuple[handoff.Column, handoff.Column, handoff.Column]  # one engine call
-MAX_ABANDONED_CALLS = 16  # per transfer: abandoned calls still running before batches are refused
 
 
 def checked_timeout(name: str, seconds: float | None, *, allow_zero: bool) -> float | None:
@@ -166,7 +165,7 @@ class MooncakeTransfer:
         buffer_workers: int = 0,
         batch_timeout_s: float | None = settings.get(settings.BATCH_TIMEOUT_S),
         max_call_descriptors: int | None = TCP_QUEUE_DEFAULT,
-        max_abandoned_calls: int = MAX_ABANDONED_CALLS,
+        max_abandoned_calls: int = settings.get(settings.MAX_ABANDONED_CALLS),
         handoff_form: handoff.HandoffForm | None = None,
     ) -> None:
         if buffer_workers < 0:

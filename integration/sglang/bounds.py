@@ -33,6 +33,7 @@ from typing import Any
 
 import numpy as np
 
+from gpu_planner import settings
 from gpu_planner.inputs import INT64_MAX
 
 logger = logging.getLogger(__name__)
@@ -173,7 +174,7 @@ def _registered_regions(kv_args: Any) -> tuple[np.ndarray, np.ndarray]:
     return _regions(tuple(ptrs), tuple(lens))
 
 
-@functools.lru_cache(maxsize=64)
+@functools.lru_cache(maxsize=settings.get(settings.LAYOUT_CACHE_SIZE))
 def _regions(ptrs: tuple[int, ...], lens: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
     """Built once per registration (it does not change while the manager lives)."""
     regions = sorted(
