@@ -1,12 +1,12 @@
 """Compile every kernel variant the planner can launch, before any request needs one.
 
-A Triton kernel compiles (about 0.5 s) the first time it meets a new
-specialisation. The kernels never specialise on sizes, counts or strides
-(`do_not_specialize`, int64 scalars) nor on the alignment of caller tensors,
-so what remains is finite: the page dtypes (int32/int64 of each page list)
-and the constexpr flags (a device space or not, host slots or not). `warmup`
-launches each of them once on tiny inputs through the real launchers, so it
-compiles exactly what requests launch, into Triton's per-device cache.
+A Triton kernel compiles the first time it meets a new specialisation. The
+kernels never specialise on sizes, counts or strides (`do_not_specialize`,
+int64 scalars) nor on the alignment of caller tensors, so what remains is
+finite: the page dtypes (int32/int64 of each page list) and the constexpr
+flags (a device space or not, host slots or not). `warmup` launches each of
+them once on tiny inputs through the real launchers, so it compiles exactly
+what requests launch, into Triton's per-device cache.
 """
 
 from __future__ import annotations

@@ -1,67 +1,14 @@
 """Mooncake submit loop: a plan's batches, in order, bounded in time, in either direction.
 
-Push (`MooncakeSender`, sglang's model): the prefill side writes its sources
-into the decode side's destinations with `batch_transfer_sync_write`. Pull
-(`MooncakeReader`): the decode side reads the prefill side's sources into its
-own destinations with `batch_transfer_sync_read`. A plan's (src, dst, len)
-triples are the same in both; only which end is local changes.
-
-Failures. The first batch that fails raises `TransferError` with its index and
-the bytes confirmed before the failure, whether the engine returned a non-zero
-status or raised (the pybind `TypeError` for an address it cannot take, for
-example); later batches are never submitted.
-
-Time bound. Mooncake's own behaviour over TCP (measured with 0.3.13 and 0.3.14,
-see the tests): a peer that has exited (connection refused or reset) fails the call
-with -1 within milliseconds, but a peer that is alive and stalled (stopped,
-swapped out, wedged) keeps a synchronous call blocked: 60 s for the first
-contact (the P2P handshake's socket read, a fixed timeout no variable sets;
-measured 61.5-61.8 s, 0.3.14), then `MC_TCP_PROGRESS_TIMEOUT_SEC` (30 s) per stalled slice,
-one after another: minutes for a large batch. So every engine call runs on a
-thread of its own and the submitting thread waits at most `batch_timeout_s`
-per batch (finite, at most `threading.TIMEOUT_MAX`, or None); on expiry it
-raises `TransferTimeoutError`. Mooncake cannot cancel a call it has started:
-the abandoned calls keep running, and keep writing (a stalled peer that
-resumes receives the rest of that batch, never a later one). The error's
-`in_flight` holds their futures, and `close(timeout)` waits for every call
-the transfer started and returns those still running. At most
-`max_abandoned_calls` (default 16) abandoned calls per transfer: while that
-many still run, a batch is refused before its first call, so submits to a
-stalled peer fail fast instead of piling up threads. An exception that is not
-an `Exception` (`KeyboardInterrupt`, `SystemExit`) in an engine call is
-re-raised by `submit` at once, unwrapped; the call no longer counts as running.
-
-When buffers may be reused or unregistered: the local buffers (sources of a
-write, destinations of a read) and the peer's registered buffers must stay
-valid while a call is in flight. That is at once after `submit` returns or
-raises a `TransferError` whose `in_flight` is empty, and after a
-`TransferTimeoutError` once every future in its `in_flight` is done (or
-`close(timeout)` has returned an empty list).
-
-Threads. One `MooncakeSender`/`MooncakeReader` may be shared: concurrent
-`submit` calls share no worker, so each batch's timeout covers only that
-submit's own calls. `close()` is final: no engine call starts once it has
-returned, however a batch is split. A call starts (and counts as running) when
-its thread passes the closed check, under the lock `close` takes, and then
-calls Mooncake directly; a call that finds the transfer closed never reaches
-Mooncake and its future is cancelled. So `close` returns exactly the started
-calls that have not returned, and each submit raises a `TransferError` saying
-it was closed once its started calls have ended. The call threads are daemon
-threads: a call stuck in Mooncake does not hold up the interpreter's exit.
-
-Queue-sized calls: split, never refused. Mooncake's TCP transport queues at
-most `MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER` descriptors per peer (1024 by
-default, at most 65535; see `engine.tcp_queue_capacity`), parks more for at
-most `MC_TCP_ADMISSION_TIMEOUT_MS` (1 s) and fails the call for the rest, with
--1, after the admitted part has been written (0.3.13 failed 2,100 descriptors
-at once; 0.3.14 passes 10,000 small ones and fails 40,000 after 1 s). So the
-loop cuts every batch into consecutive calls of at most `max_call_descriptors`
-(default 1024, Mooncake's default queue; pass the engine's queue when it was
-raised, or None not to split, on RDMA), and with `buffer_workers` into calls
-of at most `max_call_descriptors // buffer_workers`, so that one submit never
-has more queued at once. Concurrent submits to one peer share its queue; keep
-the sum of their limits within it. sglang's own sender (and the plugin, which
-keeps its semantics) makes one call per batch.
+Push (`MooncakeSender`) writes the plan's sources into the peer's destinations;
+pull (`MooncakeReader`) reads the peer's sources into local destinations. The
+first failed batch raises `TransferError` (no later batch is submitted); each
+engine call runs on its own thread so a stalled peer costs at most
+`batch_timeout_s` per batch (`TransferTimeoutError`, its still-running calls in
+`in_flight`, at most `max_abandoned_calls` of them per transfer); `close()` is
+final (no engine call starts once it has returned); batches are split into
+calls that fit Mooncake's TCP queue. docs/mooncake.md gives the measured
+behaviour of Mooncake behind each rule and when buffers may be reused.
 """
 
 from __future__ import annotations

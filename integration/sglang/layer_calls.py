@@ -3,8 +3,8 @@
 Where sglang makes one engine call per layer (head-sliced sends, and the
 generic send with a custom memory pool), it submits one executor task per
 layer and awaits their futures with `_await_transfer_futures`. For an
-80-layer model that is 160 submits: about a millisecond of GIL in the sending
-thread and a garbage collection or two. `submit_in_order` submits one task per
+80-layer model that is 160 submits and their callbacks with the GIL held in
+the sending thread (docs/sglang.md). `submit_in_order` submits one task per
 executor thread instead; each makes the next unmade call until none is left or
 one has failed, so the calls start in sglang's order, one per layer, from the
 executor's threads, and a failure stops the others from taking more (as

@@ -198,9 +198,9 @@ def _kv_slice_layout(
 ) -> HeadSliceLayout:
     """The head-slice geometry of the KV send to one peer's buffers, built (and checked) once.
 
-    sglang sends to the same peers' buffers again and again; building the
-    per-layer columns of an 80-layer model takes about 0.3 ms with the GIL held.
-    The layout is shared between sends: nothing writes to it.
+    sglang sends to the same peers' buffers again and again, and building the
+    per-layer columns holds the GIL (docs/sglang.md). The layout is shared
+    between sends: nothing writes to it.
     """
     return HeadSliceLayout.build(
         src_ptrs=[src for src, _ in layer_pairs],
