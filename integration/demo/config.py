@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from gpu_planner.integration.demo.buffers import WORD_BYTES
+from gpu_planner.integration.mooncake.transfer import checked_timeout
 
 LOCALHOST = "127.0.0.1"  # both demo processes and their engines run on loopback
 PLANNERS = ("gpu", "reference")
@@ -34,7 +35,10 @@ class DemoConfig:
     timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
-        for name in ("buffers", "page_size", "item_len", "timeout_s"):
+        checked_timeout("timeout_s", self.timeout_s, allow_zero=False)  # finite: no None
+        if self.timeout_s is None:
+            raise ValueError("timeout_s: the demo needs a finite bound, got None")
+        for name in ("buffers", "page_size", "item_len"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}: must be > 0, got {getattr(self, name)}")
         for name in ("tokens", "max_batch_pages", "buffer_workers"):

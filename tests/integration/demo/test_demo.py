@@ -106,3 +106,9 @@ def test_an_engine_exception_ends_both_sides_cleanly(mode, monkeypatch):
     batches = -(-config.num_pages // config.max_batch_pages)
     assert re.match(rf"TransferError: Mooncake batch {batches} .* TypeError", error)
     assert report.verification is not None  # both sides ran to the end
+
+
+@pytest.mark.parametrize("timeout_s", [float("inf"), float("nan"), 1e10, 0.0, -1.0])
+def test_an_unbounded_or_invalid_timeout_is_refused_before_anything_starts(timeout_s):
+    with pytest.raises(ValueError, match="timeout_s"):
+        dataclasses.replace(small_config(), timeout_s=timeout_s)
