@@ -13,7 +13,7 @@ folder on `/metrics`. When that variable is set the counts are also kept as
 sglang's own `sglang:*` series:
 
 - `gpu_planner:sends_total{hook, handoff}`: hooked sends by hook (`generic`,
-  `slice`) and Mooncake hand-off (`arrays`, `lists`);
+  `slice`, `gathered`) and Mooncake hand-off (`arrays`, `lists`);
 - `gpu_planner:fallbacks_total{reason}`: calls handed back to sglang's code;
 - `gpu_planner:descriptors_total`, `gpu_planner:bytes_total`: what the sends
   handed to Mooncake;

@@ -35,7 +35,7 @@ LOCALHOST = "127.0.0.1"
 SCAFFOLDING = Path(__file__).resolve().parent / "scaffolding"
 START_TIMEOUT_S = 240.0  # start-up takes 30-75 s alone; several servers share 2 cores
 START_ATTEMPTS = 3
-STOP_GRACE_S = 20.0
+STOP_GRACE_S = 5.0  # sglang exits within a second or two of SIGTERM when idle
 
 CPU_FLAGS = (
     "--device", "cpu",
@@ -146,9 +146,11 @@ def router_spec(prefills: Sequence[Server], decode: Server) -> ServerSpec:
     return ServerSpec("router", tuple(args), command=(str(smg),), ready_path="/readiness")
 
 
-def server_env(spec: ServerSpec) -> dict[str, str]:
-    """A server's environment: this one, the scaffolding on PYTHONPATH, sglang's CPU engine."""
+def server_env(spec: ServerSpec, metrics_dir: Path) -> dict[str, str]:
+    """A server's environment: this one, the scaffolding on PYTHONPATH, sglang's CPU engine,
+    and its own prometheus folder (sglang leaves the one it makes in /tmp behind when killed)."""
     env = dict(os.environ)
+    env["PROMETHEUS_MULTIPROC_DIR"] = str(metrics_dir)
     env.pop("TRITON_INTERPRET", None)  # the test process's interpreter switch, not a user's
     path = [*spec.python_path, str(SCAFFOLDING), env.get("PYTHONPATH", "")]
     env["PYTHONPATH"] = os.pathsep.join(filter(None, path))
@@ -165,6 +167,8 @@ def start(spec: ServerSpec, log_path: Path) -> Server:
     command = [*spec.command, *spec.args, "--host", LOCALHOST, "--port", str(port)]
     if bootstrap_port is not None:
         command += ["--disaggregation-bootstrap-port", str(bootstrap_port)]
+    metrics_dir = log_path.with_suffix(f".prometheus-{port}")
+    metrics_dir.mkdir()
     with log_path.open("w") as log:
         log.write(" ".join(command) + "\n")
         log.flush()
@@ -172,7 +176,7 @@ def start(spec: ServerSpec, log_path: Path) -> Server:
             command,
             stdout=log,
             stderr=subprocess.STDOUT,
-            env=server_env(spec),
+            env=server_env(spec, metrics_dir),
             start_new_session=True,
         )
     url = f"http://{LOCALHOST}:{port}"
@@ -180,11 +184,18 @@ def start(spec: ServerSpec, log_path: Path) -> Server:
 
 
 def _ready(server: Server) -> bool:
-    """True once `server` answers its ready path; raise with its log if it exited."""
+    """True once `server` answers its ready path; raise with its log if it exited or if
+    sglang could not run a plugin (it logs that and serves on without it)."""
     if server.process.poll() is not None:
         raise RuntimeError(
             f"{server.name} exited with {server.process.returncode} during start-up; "
             f"log {server.log_path}:\n{server.log_tail()}"
+        )
+    log = server.log_path.read_text(errors="replace")
+    if "Failed to execute general plugin" in log:
+        start = log.index("Failed to execute general plugin")
+        raise RuntimeError(
+            f"{server.name}: a plugin failed; log {server.log_path}:\n{log[start:][:3000]}"
         )
     with contextlib.suppress(requests.RequestException):
         return requests.get(server.url + server.ready_path, timeout=5).status_code == 200

@@ -16,8 +16,9 @@ from pathlib import Path
 
 import pytest
 
+from bench.deployment import one_request
 from tests.e2e.e2e_checks import assert_same_tokens, plugin_metrics, runs_histogram, sends_above
-from tests.e2e.e2e_client import Generation, generate_all, generate_pd, server_metrics
+from tests.e2e.e2e_client import Generation, generate_all, generate_pd, prompt_set, server_metrics
 from tests.e2e.e2e_scenarios import (
     CONCURRENCY,
     CONTROL_PROMPT,
@@ -118,3 +119,14 @@ def test_corrupted_transfer_changes_the_tokens(deployment, reference_tokens):
     assert corrupted.output_ids[1:] != expected[1:]
     [clean] = deployment.send(deployment.prefill, [CONTROL_PROMPT])
     assert clean.output_ids == expected
+
+
+def test_deployment_benchmark_measures_a_request_on_each_prefill(deployment):
+    """bench.deployment's per-request figures, on this deployment (the benchmark's own)."""
+    [prompt] = prompt_set(seed=3, lengths=(200,))
+    plugin = one_request(deployment.prefill, deployment.decode, prompt)
+    sglang = one_request(deployment.prefill_disabled, deployment.decode, prompt)
+    for figures in (plugin, sglang):
+        assert 0 < figures["transfer"] < figures["ttft"]
+    assert plugin["plan"] > 0 and plugin["descriptors"] > 0
+    assert sglang["plan"] == 0 and sglang["descriptors"] == 0

@@ -8,6 +8,10 @@ this folder on PYTHONPATH; nothing is installed). It does two things:
   `torch.cuda.Event` for every send whose sender has
   `supports_host_tensor_indices` (`MooncakeKVSender` has). Setting it to False
   makes sglang take its CPU `kv_to_page_indices` path instead.
+- Without CUDA, sglang 0.5.23's `init_model_parallel_group` turns on pynccl for
+  TP > 1 (it only spares NPU, XPU and out-of-tree platforms), whose communicator
+  fails on a CPU device. An AROUND hook passes `use_pynccl=False`, so TP groups
+  use torch.distributed (gloo) alone.
 - The corruption control: when `E2E_CORRUPT_FLAG` names a file, an AROUND hook
   on `MooncakeKVManager.send_kvcache` (upstream of every planner) leaves the
   last page out of the next send with two or more pages after that file
@@ -26,6 +30,7 @@ import os
 
 CORRUPT_FLAG_ENV = "E2E_CORRUPT_FLAG"
 SEND_KVCACHE = "sglang.srt.disaggregation.mooncake.conn.MooncakeKVManager.send_kvcache"
+MODEL_PARALLEL_GROUP = "sglang.srt.distributed.parallel_state.init_model_parallel_group"
 
 logger = logging.getLogger(__name__)
 
@@ -38,8 +43,14 @@ def register() -> None:
 
     if not torch.cuda.is_available():
         conn.MooncakeKVSender.supports_host_tensor_indices = False
+        HookRegistry.register(MODEL_PARALLEL_GROUP, without_pynccl, HookType.AROUND)
     if os.environ.get(CORRUPT_FLAG_ENV):
         HookRegistry.register(SEND_KVCACHE, corrupt_one_send, HookType.AROUND)
+
+
+def without_pynccl(original, *args, **kwargs):
+    """sglang's TP group constructor with pynccl off (a CPU machine has no NCCL device)."""
+    return original(*args, **{**kwargs, "use_pynccl": False})
 
 
 def corrupt_one_send(original, manager, session, src_pages, dst_ptrs, dst_pages, *args, **kwargs):
