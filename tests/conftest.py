@@ -25,7 +25,7 @@ settings.register_profile(
 )
 settings.load_profile("ci")
 
-ON_CUDA = torch.cuda.is_available() and not interpreter_enabled()
+from suite_support import ON_CUDA  # noqa: E402
 
 
 def _backend_params() -> list:
@@ -86,11 +86,6 @@ def cuda_path(request) -> torch.device:
         return torch.device("cuda", torch.cuda.current_device())
     request.getfixturevalue("host_cuda")
     return torch.device("cpu")
-
-
-def list_batches(plan) -> list[tuple[list[int], list[int], list[int]]]:
-    """`plan`'s calls as Mooncake's list API takes them: (srcs, dsts, lens) per non-empty batch."""
-    return [piece[2:] for piece in plan.pieces(lists=True)]
 
 
 @pytest.fixture

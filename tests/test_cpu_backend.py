@@ -9,7 +9,7 @@ import tempfile
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
-from conftest import list_batches
+from suite_support import list_batches
 from test_plan import expected_batches, plan
 
 from gpu_planner.testing import fragmented_pages

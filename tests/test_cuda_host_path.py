@@ -16,8 +16,8 @@ import threading
 import numpy as np
 import pytest
 import torch
-from conftest import list_batches
 from cuda_standin import one_kernel_at_a_time
+from suite_support import list_batches
 
 import gpu_planner as gp
 from gpu_planner import reference, staging

@@ -8,9 +8,9 @@ import re
 import numpy as np
 import pytest
 import torch
-from conftest import list_batches
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
+from suite_support import list_batches
 
 import gpu_planner as gp
 from gpu_planner import reference

@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from conftest import ON_CUDA
 from hypothesis import given
 from hypothesis import strategies as st
+from suite_support import ON_CUDA
 
 import gpu_planner as gp
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from conftest import list_batches
 from hypothesis import given
 from hypothesis import strategies as st
 from pages_strategies import layouts, page_lists
+from suite_support import list_batches
 
 import gpu_planner as gp
 from gpu_planner import reference

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import ON_CUDA
+from suite_support import ON_CUDA
 
 from gpu_planner.block_pool import Block, BlockPool
 from gpu_planner.cuda_streams import torch_device_of

@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 import torch
-from conftest import ON_CUDA
+from suite_support import ON_CUDA
 
 import gpu_planner as gp
 from gpu_planner.kernels import interpreter_enabled

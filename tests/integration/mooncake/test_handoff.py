@@ -14,8 +14,8 @@ import logging
 
 import numpy as np
 import pytest
-from conftest import list_batches
 from mooncake_peer import changed_pages, expected_after, page_request, two_sides
+from suite_support import list_batches
 
 import gpu_planner as gp
 from gpu_planner import settings

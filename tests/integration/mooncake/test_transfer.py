@@ -18,7 +18,6 @@ from collections.abc import Iterator
 
 import numpy as np
 import pytest
-from conftest import list_batches
 from mooncake_peer import (
     LOCALHOST,
     HookedEngine,
@@ -29,6 +28,7 @@ from mooncake_peer import (
     page_request,
     two_sides,
 )
+from suite_support import list_batches
 
 import gpu_planner as gp
 from gpu_planner.integration.mooncake import (

@@ -149,9 +149,8 @@ def test_hooked_send_lands_sglangs_bytes(raw_type, gathered_only, monkeypatch):
     form = "lists" if raw_type is ListMemoryEngine else "arrays"
     before = counters.snapshot()["sends"].get(f"gathered/{form}", 0)
     check_same_bytes(raw_type, gathered_only, monkeypatch)
-    assert (
-        counters.snapshot()["sends"].get(f"gathered/{form}", 0) >= before + 1 + 15 * gathered_only
-    )
+    # Only drawn examples from a lower prefill TP must gather: both ways may draw none.
+    assert counters.snapshot()["sends"].get(f"gathered/{form}", 0) >= before + 16 * gathered_only
 
 
 @given(data=st.data())

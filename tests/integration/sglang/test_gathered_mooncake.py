@@ -17,9 +17,22 @@ import inspect
 
 import numpy as np
 import pytest
-from sglang_plugin_support import conn, make_manager
+from sglang_plugin_support import conn
 from test_gathered import STAGING_ENV, staging_bytes_for
-from test_send_handoff import SpyEngine, sglang_wrapper
+from test_send_slice_mooncake import (
+    DST_HEADS,
+    DST_ITEM_LEN,
+    DST_RANK,
+    DST_TP,
+    HEAD_BYTES,
+    LAYERS,
+    PAGE_SIZE,
+    POOL_PAGES,
+    SENT_HEADS,
+    SRC_HEADS,
+    SRC_ITEM_LEN,
+    prefill_rank_manager,
+)
 
 from gpu_planner.integration.mooncake import handoff
 from gpu_planner.integration.sglang import counters, gathered
@@ -27,12 +40,7 @@ from gpu_planner.reference import group_runs
 from tests.integration.mooncake.mooncake_peer import two_sides
 
 ORIGINAL = inspect.unwrap(conn.MooncakeKVManager.send_kvcache_slice)
-TOTAL_HEADS, HEAD_BYTES, PAGE_SIZE, POOL_PAGES, LAYERS, NUM_PAGES = 8, 16, 4, 32, 3, 20
-SRC_TP, SRC_RANK, DST_TP, DST_RANK = 2, 1, 4, 3
-SRC_HEADS, DST_HEADS = TOTAL_HEADS // SRC_TP, TOTAL_HEADS // DST_TP
-SRC_ITEM_LEN = PAGE_SIZE * SRC_HEADS * HEAD_BYTES
-DST_ITEM_LEN = PAGE_SIZE * DST_HEADS * HEAD_BYTES
-SENT_HEADS = slice(2, 4)  # decode rank 3's heads 6-7 are prefill rank 1's local heads 2-3
+NUM_PAGES = 20
 
 
 @pytest.mark.parametrize(
@@ -53,14 +61,7 @@ def test_gathered_send_lands_sglangs_bytes_through_real_engines(monkeypatch, for
         rng = np.random.default_rng(5)
         src_pages = rng.permutation(POOL_PAGES)[:NUM_PAGES].astype(np.int32)
         dst_pages = np.sort(rng.permutation(POOL_PAGES)[:NUM_PAGES]).astype(np.int64)
-        manager = make_manager(sglang_wrapper(spy := SpyEngine(sides.local.engine)))
-        manager.attn_tp_size = SRC_TP
-        kv_args = manager.kv_args
-        kv_args.kv_data_ptrs, kv_args.kv_item_lens = sides.local.ptrs, [SRC_ITEM_LEN] * buffers
-        kv_args.kv_data_lens = [POOL_PAGES * SRC_ITEM_LEN] * buffers
-        kv_args.kv_layer_ids, kv_args.page_size = [], PAGE_SIZE
-        kv_args.engine_rank, kv_args.kv_head_num = SRC_RANK, SRC_HEADS
-        kv_args.total_kv_head_num = TOTAL_HEADS
+        manager, spy = prefill_rank_manager(sides, buffers)
         halves = (sides.peer.ptrs[:buffers], sides.peer.ptrs[buffers:])
         descriptors_before = counters.snapshot()["descriptors"]
         with concurrent.futures.ThreadPoolExecutor(max_workers=3) as executor:

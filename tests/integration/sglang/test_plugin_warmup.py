@@ -8,7 +8,7 @@ from collections import defaultdict
 
 import pytest
 import torch
-from conftest import ON_CUDA
+from suite_support import ON_CUDA
 
 from gpu_planner.integration.sglang import fallback as sglang_fallback
 from gpu_planner.integration.sglang import plugin as sglang_plugin

@@ -30,6 +30,19 @@ DST_ITEM_LEN = PAGE_SIZE * DST_HEADS * HEAD_BYTES
 SENT_HEADS = slice(2, 4)  # decode rank 3's heads 6-7 are prefill rank 1's local heads 2-3
 
 
+def prefill_rank_manager(sides, buffers: int) -> tuple[conn.MooncakeKVManager, SpyEngine]:
+    """Prefill rank SRC_RANK of TP SRC_TP over the local engine's `buffers` registered buffers."""
+    manager = make_manager(sglang_wrapper(spy := SpyEngine(sides.local.engine)))
+    manager.attn_tp_size = SRC_TP
+    kv_args = manager.kv_args
+    kv_args.kv_data_ptrs, kv_args.kv_item_lens = sides.local.ptrs, [SRC_ITEM_LEN] * buffers
+    kv_args.kv_data_lens = [POOL_PAGES * SRC_ITEM_LEN] * buffers
+    kv_args.kv_layer_ids, kv_args.page_size = [], PAGE_SIZE
+    kv_args.engine_rank, kv_args.kv_head_num = SRC_RANK, SRC_HEADS
+    kv_args.total_kv_head_num = TOTAL_HEADS
+    return manager, spy
+
+
 @pytest.mark.parametrize("path", [handoff.ARRAYS, handoff.LISTS])
 def test_hooked_slice_send_moves_the_sent_heads_through_real_engines(monkeypatch, path):
     if path == handoff.LISTS:
@@ -42,14 +55,7 @@ def test_hooked_slice_send_moves_the_sent_heads_through_real_engines(monkeypatch
         rng = np.random.default_rng(3)
         src_pages = rng.permutation(POOL_PAGES)[:20].astype(np.int32)
         dst_pages = rng.permutation(POOL_PAGES)[:20].astype(np.int64)
-        manager = make_manager(sglang_wrapper(spy := SpyEngine(sides.local.engine)))
-        manager.attn_tp_size = SRC_TP
-        kv_args = manager.kv_args
-        kv_args.kv_data_ptrs, kv_args.kv_item_lens = sides.local.ptrs, [SRC_ITEM_LEN] * buffers
-        kv_args.kv_data_lens = [POOL_PAGES * SRC_ITEM_LEN] * buffers
-        kv_args.kv_layer_ids, kv_args.page_size = [], PAGE_SIZE
-        kv_args.engine_rank, kv_args.kv_head_num = SRC_RANK, SRC_HEADS
-        kv_args.total_kv_head_num = TOTAL_HEADS
+        manager, spy = prefill_rank_manager(sides, buffers)
         with concurrent.futures.ThreadPoolExecutor(max_workers=3) as executor:
             status = conn.MooncakeKVManager.send_kvcache_slice(
                 manager,
