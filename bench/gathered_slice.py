@@ -75,8 +75,8 @@ class GatheredSliceBench:
         )
         from sglang.srt.plugins import load_plugins
 
+        from bench.sglang_manager import make_manager
         from gpu_planner.integration.sglang import gathered
-        from gpu_planner.integration.sglang.testing import make_manager
 
         load_plugins()  # the gpu_planner hooks, from the installed entry point
         self._gathered = gathered

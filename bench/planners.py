@@ -70,7 +70,7 @@ class SglangPlanner(Planner):
     def __init__(self) -> None:
         from sglang.srt.disaggregation.mooncake.conn import MooncakeKVManager
 
-        from gpu_planner.integration.sglang.testing import RecordingEngine, make_manager
+        from bench.sglang_manager import RecordingEngine, make_manager
 
         # sglang's own function even where gpu_planner's plugin has hooked it.
         self._send_kvcache_generic = inspect.unwrap(MooncakeKVManager._send_kvcache_generic)

@@ -60,11 +60,11 @@ class SendPathBench:
             MooncakeTransferEngine,
         )
 
+        from bench.sglang_manager import make_manager
         from gpu_planner import cpu_backend
         from gpu_planner.integration.sglang import send as sglang_send
         from gpu_planner.integration.sglang.adapter import sglang_handoff
         from gpu_planner.integration.sglang.fallback import around
-        from gpu_planner.integration.sglang.testing import make_manager
 
         self.wrapper = MooncakeTransferEngine("127.0.0.1")
         self.handoff = sglang_handoff(self.wrapper).form

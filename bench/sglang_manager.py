@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from sglang.srt.disaggregation.base.conn import KVArgs
 from sglang.srt.disaggregation.mooncake import conn
 
-EngineCall = tuple[str, list[int], list[int], list[int]]
+RecordedCall = tuple[str, list[int], list[int], list[int]]  # (session, srcs, dsts, lens)
 
 
 class RecordingEngine:
@@ -32,7 +32,7 @@ class RecordingEngine:
         failure_status: int = -1,
         fail_src_range: range | None = None,
     ) -> None:
-        self.calls: list[EngineCall] = []
+        self.calls: list[RecordedCall] = []
         self.fail_at = fail_at
         self.failure_status = failure_status
         self.fail_src_range = fail_src_range

@@ -70,11 +70,11 @@ class SlicePathBench:
             MooncakeTransferEngine,
         )
 
+        from bench.sglang_manager import make_manager
         from gpu_planner import head_slices
         from gpu_planner.integration.sglang import send_slice
         from gpu_planner.integration.sglang.adapter import sglang_handoff
         from gpu_planner.integration.sglang.fallback import around
-        from gpu_planner.integration.sglang.testing import make_manager
 
         wrapper = MooncakeTransferEngine("127.0.0.1")
         wrapper.engine = refusal_as_success(wrapper.engine)

@@ -30,7 +30,7 @@ ORIGINALS = {
 }
 load_plugins()
 
-from gpu_planner.integration.sglang.testing import (  # noqa: E402  (after sglang's import)
+from bench.sglang_manager import (  # noqa: E402  (after sglang's import)
     FailureRecorder,
     RecordingEngine,
     make_manager,
