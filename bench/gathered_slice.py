@@ -220,7 +220,9 @@ def measure(direction: str, layers: int, num_tokens: int, budget_s: float) -> di
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, nargs="+", default=[4096, 32768])
-    parser.add_argument("--directions", nargs="+", default=list(DIRECTIONS))
+    parser.add_argument(
+        "--directions", nargs="+", choices=list(DIRECTIONS), default=list(DIRECTIONS)
+    )
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--budget-s", type=float, default=10.0, help="per variant and size")
     args = parser.parse_args()

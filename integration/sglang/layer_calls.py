@@ -25,6 +25,7 @@ def submit_in_order(
     num_calls: int,
     make_call: Callable[[int], int],
     futures: list[concurrent.futures.Future],
+    max_tasks: int | None = None,
 ) -> None:
     """Make `make_call(0)` .. `make_call(num_calls - 1)` from `executor`'s threads, in order.
 
@@ -33,7 +34,8 @@ def submit_in_order(
     0, or the first non-zero status it got, or raises what its call raised;
     after either, no task starts another call. A ThreadPoolExecutor gets one
     task per worker thread (at most `num_calls`); an executor that does not
-    say how many threads it has gets one task per call.
+    say how many threads it has gets one task per call; `max_tasks` caps the
+    tasks (1: the calls one after another, from one executor thread).
     """
     next_call = itertools.count()  # next() is atomic: each call is made once
     failed = threading.Event()
@@ -53,6 +55,6 @@ def submit_in_order(
                 return status
         return 0
 
-    tasks = min(num_calls, getattr(executor, "_max_workers", num_calls))
+    tasks = min(num_calls, getattr(executor, "_max_workers", num_calls), max_tasks or num_calls)
     for _ in range(tasks):
         futures.append(executor.submit(make_next_calls))

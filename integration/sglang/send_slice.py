@@ -430,5 +430,6 @@ def _send_layers(
         return engine_handoff.call(session, *engine_handoff.columns(*descriptors.layer(layer)))
 
     futures: list[concurrent.futures.Future] = []
-    submit_in_order(executor, descriptors.addresses.shape[1], send_layer, futures)
+    # One call at a time: to one peer, concurrent per-layer calls were slower (docs/sglang.md).
+    submit_in_order(executor, descriptors.addresses.shape[1], send_layer, futures, max_tasks=1)
     return manager._await_transfer_futures(futures)

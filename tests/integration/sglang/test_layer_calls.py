@@ -79,3 +79,12 @@ def test_an_executor_without_a_worker_count_gets_one_task_per_call():
     outcomes, made = run_calls(executor, 6)
     executor.pool.shutdown()
     assert executor.submitted == 6 and sorted(made) == list(range(6))
+
+
+def test_one_task_makes_the_calls_one_after_another_on_a_larger_pool():
+    made: list[int] = []
+    futures: list[concurrent.futures.Future] = []
+    with CountingPool(4) as pool:
+        submit_in_order(pool, 9, lambda index: made.append(index) or 0, futures, max_tasks=1)
+        assert [future.result() for future in futures] == [0]
+    assert pool.submitted == 1 and made == list(range(9))
