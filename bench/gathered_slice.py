@@ -9,13 +9,12 @@ source buffers of random bytes, shuffled pages:
 
 - TP2 -> TP4 (prefill rank 0 -> decode rank 1): `sglang` (its own
   `send_kvcache_slice`), `per_token` (the hook with the gathered path off:
-  one arrays call per buffer from the executor's threads), `gathered` (the
-  hook: gather into registered staging, one call per chunk of buffers);
+  one arrays call per buffer, one after another), `gathered` (the hook:
+  gather into registered staging, one call per chunk of buffers);
 - TP4 -> TP2 (prefill rank 1 -> decode rank 0), where each decode slot is
-  written by two prefill ranks: `sglang`, `per_token` (the hook: concurrent
-  per-buffer calls), `per_token_serial` (the same calls from one thread) and
-  `pages` (one Mooncake 0.3.14 `batch_transfer_sync_write_pages` call
-  holding every buffer's tokens).
+  written by two prefill ranks: `sglang`, `per_token` (the hook) and `pages`
+  (one Mooncake 0.3.14 `batch_transfer_sync_write_pages` call holding every
+  buffer's tokens), the alternative the hook's per-layer calls are held to.
 
 Per variant: wall time (`bench.harness`), GIL holds and waits (`bench.gil`,
 through `bench.send_path.measure_sends`), descriptors and bytes handed to
@@ -122,12 +121,9 @@ class GatheredSliceBench:
             gathered.staging_for(manager)  # registered now, read from the environment
             self.managers[name] = manager
         os.environ.pop("GPU_PLANNER_GATHER_STAGING_BYTES")
-        self.executors = {
-            "threads": concurrent.futures.ThreadPoolExecutor(EXECUTOR_THREADS),
-            "serial": concurrent.futures.ThreadPoolExecutor(1),
-        }
+        self.executor = concurrent.futures.ThreadPoolExecutor(EXECUTOR_THREADS)
 
-    def _send(self, send: Callable, manager: Any, executor: str) -> int:
+    def _send(self, send: Callable, manager: Any) -> int:
         return send(
             manager,
             self.session,
@@ -137,20 +133,19 @@ class GatheredSliceBench:
             self.dst_rank,
             self.dst_tp,
             self.dst_item_len,
-            self.executors[executor],
+            self.executor,
         )
 
     def variants(self, direction: str) -> dict[str, Callable[[], int]]:
         per_token = self.managers["per_token"]
         variants = {
-            "sglang": lambda: self._send(self._original, per_token, "threads"),
-            "per_token": lambda: self._send(self._hooked, per_token, "threads"),
+            "sglang": lambda: self._send(self._original, per_token),
+            "per_token": lambda: self._send(self._hooked, per_token),
         }
         if direction == "tp2_to_tp4":
             gathered = self.managers["gathered"]
-            variants["gathered"] = lambda: self._send(self._hooked, gathered, "threads")
+            variants["gathered"] = lambda: self._send(self._hooked, gathered)
         else:
-            variants["per_token_serial"] = lambda: self._send(self._hooked, per_token, "serial")
             variants["pages"] = self._pages_call()
         return variants
 
