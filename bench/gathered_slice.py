@@ -26,48 +26,29 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
-import contextlib
 import inspect
 import json
-import multiprocessing
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
 from bench.harness import RepeatPolicy
-from bench.live_submit import _serve_peer
+from bench.live_submit import live_peer
 from bench.send_path import measure_sends
+from gpu_planner.integration.mooncake.engine import QUIET_ENV, TCP_ONLY_ENV, set_mooncake_defaults
 
 KV_HEADS, HEAD_BYTES, PAGE_SIZE = 8, 128 * 2, 64
 EXECUTOR_THREADS = 3
 DIRECTIONS = {"tp2_to_tp4": (2, 0, 4, 1), "tp4_to_tp2": (4, 1, 2, 0)}  # src tp, rank, dst tp, rank
 
 
-@contextlib.contextmanager
-def live_peer(nbytes: int) -> Iterator[tuple[str, int]]:
-    """A peer process with one registered buffer of `nbytes`: (its session, its address)."""
-    context = multiprocessing.get_context("spawn")
-    connection, child_end = context.Pipe()
-    peer = context.Process(target=_serve_peer, args=(child_end, nbytes), daemon=True)
-    peer.start()
-    try:
-        if not connection.poll(120):
-            raise TimeoutError("the peer engine did not start in 120 s")
-        yield connection.recv()
-    finally:
-        connection.close()
-        peer.kill()
-        peer.join()
-
-
 class GatheredSliceBench:
     """Every variant of one direction's send on managers whose engine reaches a live peer."""
 
     def __init__(self, direction: str, layers: int, num_tokens: int, peer: tuple[str, int]):
-        for name, value in (("MOONCAKE_PROTOCOL", "tcp"), ("MC_FORCE_TCP", "1")):
-            os.environ.setdefault(name, value)
+        set_mooncake_defaults(QUIET_ENV, TCP_ONLY_ENV)
         from sglang.srt.disaggregation.mooncake import conn
         from sglang.srt.distributed.device_communicators.mooncake_transfer_engine import (
             MooncakeTransferEngine,

@@ -27,6 +27,7 @@ import contextlib
 import json
 import multiprocessing
 import time
+from collections.abc import Iterator
 from multiprocessing.connection import Connection
 
 import numpy as np
@@ -56,6 +57,23 @@ def _serve_peer(connection: Connection, nbytes: int) -> None:
         connection.recv()
 
 
+@contextlib.contextmanager
+def live_peer(nbytes: int) -> Iterator[tuple[str, int]]:
+    """A peer process with one registered buffer of `nbytes`: (its session, its address)."""
+    context = multiprocessing.get_context("spawn")
+    connection, child_end = context.Pipe()
+    peer = context.Process(target=_serve_peer, args=(child_end, nbytes), daemon=True)
+    peer.start()
+    try:
+        if not connection.poll(120):
+            raise TimeoutError("the peer engine did not start in 120 s")
+        yield connection.recv()
+    finally:
+        connection.close()
+        peer.kill()
+        peer.join()
+
+
 def _wait_for(engine, batch_id: int) -> float:
     """Seconds until batch `batch_id` completes; raise if it fails or takes WAIT_LIMIT_S."""
     start = time.perf_counter()
@@ -72,14 +90,7 @@ def measure(num_descriptors: int, repeats: int) -> dict[str, object]:
     """Median submit, wire and refused-call seconds of `repeats` calls of `num_descriptors`."""
     set_mooncake_defaults(QUIET_ENV)
     nbytes = 2 * num_descriptors * DESCRIPTOR_BYTES  # every other slot, as head slices are
-    context = multiprocessing.get_context("spawn")
-    connection, child_end = context.Pipe()
-    peer = context.Process(target=_serve_peer, args=(child_end, nbytes), daemon=True)
-    peer.start()
-    try:
-        if not connection.poll(60):
-            raise TimeoutError("the peer engine did not start in 60 s")
-        peer_session, peer_ptr = connection.recv()
+    with live_peer(nbytes) as (peer_session, peer_ptr):
         engine = start_engine(LOCALHOST)
         source = np.ones(nbytes, dtype=np.uint8)
         register_buffer(engine, source.ctypes.data, source.nbytes)
@@ -98,10 +109,6 @@ def measure(num_descriptors: int, repeats: int) -> dict[str, object]:
             start = time.perf_counter()
             engine.batch_transfer_sync_write_arrays(REFUSING_PEER, srcs, dsts, lens)
             samples["refused"].append(time.perf_counter() - start)
-    finally:
-        connection.close()
-        peer.kill()
-        peer.join()
     medians = {name: float(np.median(values)) for name, values in samples.items()}
     return {
         "descriptors": num_descriptors,
