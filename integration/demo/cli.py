@@ -47,11 +47,11 @@ def add_command(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _run_demo(args: argparse.Namespace) -> int:
-    from gpu_planner.integration.demo.config import DemoConfig
-    from gpu_planner.integration.demo.run import format_report, run_demo
     from gpu_planner.integration.mooncake.engine import QUIET_ENV, set_mooncake_defaults
 
-    set_mooncake_defaults(QUIET_ENV)  # the demo's processes inherit it
+    set_mooncake_defaults(QUIET_ENV)  # before Mooncake loads; the demo's processes inherit it
+    from gpu_planner.integration.demo.config import DemoConfig
+    from gpu_planner.integration.demo.run import format_report, run_demo
 
     names = [config_field.name for config_field in dataclasses.fields(DemoConfig)]
     try:
