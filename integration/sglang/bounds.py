@@ -129,9 +129,7 @@ def check_sources(
     page_lens, last_offsets, read_lens = (
         np.asarray(values, dtype=np.int64) for values in (page_lens, last_offsets, read_lens)
     )
-    starts, reach = _registered_regions(kv_args)
-    holder = np.searchsorted(starts, ptr_array, side="right") - 1  # >= 0: the sentinel
-    room = reach[holder] - ptr_array  # bytes up to the end of a region holding ptr; < 0: none
+    room = registered_room(kv_args, ptr_array)
     room_after_last = room - last_offsets - read_lens  # room for max_page * page_len
     whole_pages = np.where(page_lens > 0, room_after_last // np.maximum(page_lens, 1), INT64_MAX)
     fits = (read_lens == 0) | ((room_after_last >= 0) & (max_page <= whole_pages))
@@ -153,6 +151,13 @@ def check_sources(
         f"{page_len} bytes per page reads up to byte {end}, but {where} "
         "(kv_args.kv_data_lens / state_data_lens)"
     )
+
+
+def registered_room(kv_args: Any, ptrs: np.ndarray) -> np.ndarray:
+    """Bytes from each of `ptrs` (int64) to the end of a registered region holding it; < 0: none."""
+    starts, reach = _registered_regions(kv_args)
+    holder = np.searchsorted(starts, ptrs, side="right") - 1  # >= 0: the sentinel
+    return reach[holder] - ptrs
 
 
 def _registered_regions(kv_args: Any) -> tuple[np.ndarray, np.ndarray]:

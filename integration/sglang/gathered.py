@@ -47,9 +47,11 @@ from gpu_planner.cuda_streams import on_torch_device
 from gpu_planner.errors import PlanValidationError
 from gpu_planner.head_gather import chunk_layout, gather_head_slices, gathered_descriptors
 from gpu_planner.head_slices import HeadSliceLayout
+from gpu_planner.integration.sglang import bounds
 from gpu_planner.integration.sglang.adapter import sglang_handoff
 from gpu_planner.integration.sglang.counters import record_send
 from gpu_planner.integration.sglang.fallback import log_fallback_once
+from gpu_planner.plan import exact_total
 
 SLOTS = 2  # one chunk on the wire while the next is gathered
 SLOT_ALIGNMENT = 256  # bytes: every slot starts as aligned as the region (the kernel's widest lane)
@@ -249,7 +251,7 @@ def send_gathered(
         "gathered",
         engine_handoff.form,
         sum(column.shape[1] for column in columns),
-        sum(int(column[2].sum()) for column in columns),
+        sum(exact_total(column[2]) for column in columns),
         time.perf_counter() - started,
         layout.num_layers,
         len(chunks),
@@ -288,15 +290,11 @@ def _per_token(reason: str, needed: int) -> None:
 
 
 def _registered_lens(kv_args: Any, layout: HeadSliceLayout) -> np.ndarray | str:
-    """Each entry's registered source bytes (`kv_data_lens` of its buffer), or why not known."""
-    registered = {
-        int(ptr): int(nbytes)
-        for ptr, nbytes in zip(kv_args.kv_data_ptrs, kv_args.kv_data_lens, strict=False)
-    }
-    lens = [registered.get(int(ptr)) for ptr in layout.geometry[0, 0]]
-    if None in lens:
-        return "a source buffer that is not one of kv_args.kv_data_ptrs"
-    return np.array(lens, dtype=np.int64)
+    """Each entry's registered source bytes (to the end of its region), or why not known."""
+    room = bounds.registered_room(kv_args, layout.geometry[0, 0])
+    if (room < 0).any():
+        return "a source buffer outside the prefill's registered memory"
+    return room
 
 
 def _gather(
