@@ -107,11 +107,18 @@ class Handoff:
         """`plan`'s calls in order (per batch, or per batch and buffer), in this form."""
         return plan.pieces(per_buffer=per_buffer, lists=self.form == LISTS)
 
-    def columns(self, srcs: np.ndarray, dsts: np.ndarray, lens: np.ndarray) -> tuple[Column, ...]:
-        """int64 columns in this form: as they are for arrays, `.tolist()` for lists."""
+    def columns(
+        self, srcs: np.ndarray, dsts: np.ndarray, lens: np.ndarray, equal_lens: bool = False
+    ) -> tuple[Column, ...]:
+        """int64 columns in this form: as they are for arrays, `.tolist()` for lists.
+
+        `equal_lens`: every length is the same, so the list repeats one int object
+        (as sglang builds it) instead of allocating one per descriptor.
+        """
         if self.form == ARRAYS:
             return srcs, dsts, lens
-        return srcs.tolist(), dsts.tolist(), lens.tolist()
+        lens_list = [int(lens[0])] * lens.size if equal_lens and lens.size else lens.tolist()
+        return srcs.tolist(), dsts.tolist(), lens_list
 
     def call(self, peer: str, srcs: Column, dsts: Column, lens: Column) -> int:
         """One synchronous engine call with the plan's (src, dst, len) columns; its status."""

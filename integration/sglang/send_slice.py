@@ -427,7 +427,8 @@ def _send_layers(
     def send_layer(layer: int) -> int:
         if descriptors.num_tokens == 0:
             return 0
-        return engine_handoff.call(session, *engine_handoff.columns(*descriptors.layer(layer)))
+        columns = engine_handoff.columns(*descriptors.layer(layer), equal_lens=True)
+        return engine_handoff.call(session, *columns)  # a layer's slices are of one length
 
     futures: list[concurrent.futures.Future] = []
     # One call at a time: to one peer, concurrent per-layer calls were slower (docs/sglang.md).
