@@ -12,11 +12,18 @@ orchestration runs, line for line, in the CPU suite.
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import functools
 import threading
 from collections.abc import Iterator
 from typing import Any
 
 import torch
+
+HOST = torch.device("cpu")
+_CU_POINTER_ATTRIBUTE_MEMORY_TYPE = 2
+_CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL = 9
+_CU_MEMORYTYPE_DEVICE = 2
 
 
 class CudaRuntime:
@@ -61,6 +68,23 @@ class CudaRuntime:
     def host_unregister(self, address: int) -> int:
         return int(torch.cuda.cudart().cudaHostUnregister(address))
 
+    def memory_device(self, address: int) -> torch.device:
+        """The device whose memory holds `address`: `cuda:N` for device memory, else the host.
+
+        Asked of the CUDA driver (`cuPointerGetAttribute`), so it holds whatever
+        device the calling thread has selected.
+        """
+        if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
+            return HOST
+        if _pointer_attribute(address, _CU_POINTER_ATTRIBUTE_MEMORY_TYPE) != _CU_MEMORYTYPE_DEVICE:
+            return HOST
+        ordinal = _pointer_attribute(address, _CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL)
+        return HOST if ordinal is None else torch.device("cuda", ordinal)
+
+    def empty_bytes(self, nbytes: int, torch_device: torch.device) -> torch.Tensor:
+        """`nbytes` uninitialised bytes on `torch_device` (a uint8 tensor)."""
+        return torch.empty(nbytes, dtype=torch.uint8, device=torch_device)
+
     def side_stream(self, torch_device: torch.device) -> Any:
         """This process's side stream on `torch_device` (made once), for reading finished work."""
         with self._side_streams_lock:
@@ -70,6 +94,26 @@ class CudaRuntime:
 
     def _new_stream(self, torch_device: torch.device) -> Any:
         return torch.cuda.Stream(device=torch_device)
+
+
+@functools.cache
+def _cuda_driver() -> ctypes.CDLL | None:
+    try:
+        return ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return None
+
+
+def _pointer_attribute(address: int, attribute: int) -> int | None:
+    """One `cuPointerGetAttribute` value of `address` (an int-sized one), or None on any error."""
+    driver = _cuda_driver()
+    if driver is None:
+        return None
+    value = ctypes.c_int()
+    result = driver.cuPointerGetAttribute(
+        ctypes.byref(value), ctypes.c_int(attribute), ctypes.c_uint64(address)
+    )
+    return value.value if result == 0 else None
 
 
 _runtime = CudaRuntime()

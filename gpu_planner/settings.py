@@ -1,24 +1,39 @@
 """Every environment knob and numeric cap of gpu_planner, in one place, parsed one way.
 
-Each `Setting` names its environment variable, its default and what it
-bounds; `get(setting)` reads the variable (unset or empty: the default) and
-raises a `SettingError` naming the variable and what it accepts. The caps
-that size caches are read once, when their module loads. docs/settings.md
-documents each one (`markdown_table`; a test keeps the two in step). Mooncake's
-own variables (`MC_*`) are not ours: `integration/mooncake/engine.py` sets the few
-defaults the project starts engines with.
+Each `Setting` names its environment variable, its default, what it bounds
+and when it is read. Unset or empty means the default; a value the parser
+does not accept is a `SettingError` naming the variable and what it accepts.
+
+Two moments of reading, never import time and never per send:
+
+- `LOADED` knobs are parsed once per process by `load()`: the sglang plugin
+  calls it when sglang loads it (an invalid value of any knob then registers
+  no hook), any other process at its first `loaded(setting)`; from then on
+  `loaded` returns those values, whatever the environment says later.
+- `AT_CONSTRUCTION` knobs are the defaults of an object's arguments:
+  `get(setting)` reads the variable when the object is built.
+
+docs/settings.md documents each one (`markdown_table`; a test keeps the two
+in step). Mooncake's own variables (`MC_*`) are not ours:
+`integration/mooncake/engine.py` sets the few defaults the project starts
+engines with.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 Value = TypeVar("Value")
+Function = TypeVar("Function", bound=Callable[..., Any])
+
+LOADED = "once per process, when the sglang plugin loads (elsewhere at first use)"
+AT_CONSTRUCTION = "when a MooncakeSender or MooncakeReader is built without the argument"
 
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
@@ -37,11 +52,16 @@ class Setting(Generic[Value]):
     parse: Callable[[str], Value]
     accepts: str  # what the parser accepts, for errors and docs
     meaning: str
+    read: str = LOADED  # LOADED or AT_CONSTRUCTION
 
 
-def get(setting: Setting[Value]) -> Value:
-    """`setting`'s value from the environment (unset or blank: its default)."""
-    text = os.environ.get(setting.name, "").strip()
+def get(setting: Setting[Value], environ: Mapping[str, str] | None = None) -> Value:
+    """`setting`'s value in the environment now (unset or blank: its default).
+
+    For `AT_CONSTRUCTION` knobs, read by the constructor they default; `LOADED`
+    knobs are read through `loaded`.
+    """
+    text = (os.environ if environ is None else environ).get(setting.name, "").strip()
     if not text:
         return setting.default
     try:
@@ -50,6 +70,70 @@ def get(setting: Setting[Value]) -> Value:
         raise SettingError(
             f"{setting.name}={text!r}: expected {setting.accepts}; {setting.meaning}"
         ) from None
+
+
+_loaded: dict[str, Any] | None = None
+_generation = 0  # how many times `load` succeeded: sized caches rebuild when it moves
+_load_lock = threading.Lock()
+
+
+def load(environ: Mapping[str, str] | None = None) -> None:
+    """Parse every knob now; `loaded` returns these values from then on.
+
+    Raises one `SettingError` naming every variable whose value is not
+    accepted (and then keeps the values loaded before, if any).
+    """
+    global _loaded, _generation
+    values: dict[str, Any] = {}
+    errors: list[str] = []
+    for setting in SETTINGS:
+        try:
+            values[setting.name] = get(setting, environ)
+        except SettingError as error:
+            errors.append(str(error))
+    if errors:
+        raise SettingError("; ".join(errors))
+    with _load_lock:
+        _loaded = values
+        _generation += 1
+
+
+def loaded(setting: Setting[Value]) -> Value:
+    """`setting`'s value as `load` parsed it (loading first if nothing was loaded yet)."""
+    if _loaded is None:
+        load()
+    assert _loaded is not None
+    return _loaded[setting.name]
+
+
+def forget_loaded() -> None:
+    """Drop the loaded values: the next `loaded` parses the environment again (tests)."""
+    global _loaded
+    with _load_lock:
+        _loaded = None
+
+
+def sized_cache(setting: Setting[int]) -> Callable[[Function], Function]:
+    """`functools.lru_cache` with `setting`'s loaded value as its size, built at the first call.
+
+    Decorating reads nothing (no knob at import); a later `load` rebuilds the
+    cache at its next call.
+    """
+
+    def decorate(function: Function) -> Function:
+        built: list[tuple[int, Any]] = []  # (generation, lru-cached function)
+
+        @functools.wraps(function)
+        def cached(*args: Any) -> Any:
+            if not built or built[-1][0] != _generation:
+                size = loaded(setting)
+                built[:] = [(_generation, functools.lru_cache(maxsize=size)(function))]
+            return built[-1][1](*args)
+
+        cached.cache_clear = lambda: built.clear()  # type: ignore[attr-defined]
+        return cached  # type: ignore[return-value]
+
+    return decorate
 
 
 def _flag(text: str) -> bool:
@@ -102,7 +186,8 @@ HANDOFF = Setting(
     _choice("auto", "arrays", "lists"),
     "auto, arrays or lists",
     "how descriptors reach Mooncake: arrays where the engine takes them (auto), or "
-    "always Python lists (Mooncake <= 0.3.13's form); arrays refuses an engine without them",
+    "always Python lists (Mooncake <= 0.3.13's form); with arrays, an engine without them "
+    "is refused (the sglang hooks then run sglang's own code, counted)",
 )
 STAGING_RETAINED_BYTES = Setting(
     "GPU_PLANNER_STAGING_RETAINED_BYTES",
@@ -124,7 +209,7 @@ LAYOUT_CACHE_SIZE = Setting(
     256,
     _count(1),
     "an integer >= 1",
-    "peer buffer layouts each sglang hook keeps built (read when the plugin loads)",
+    "peer buffer layouts each sglang hook keeps built",
 )
 GATHER_STAGING_BYTES = Setting(
     "GPU_PLANNER_GATHER_STAGING_BYTES",
@@ -132,8 +217,8 @@ GATHER_STAGING_BYTES = Setting(
     _count(0),
     "an integer >= 0",
     "bytes of staging, registered with Mooncake once per KV manager, that head-sliced sends "
-    "from a lower prefill TP gather into (two halves: one gathered while the other is sent); "
-    "0 sends per-token descriptors",
+    "from a lower prefill TP gather into (four slots, at most two per send: one gathered while "
+    "the other is sent); 0 sends per-token descriptors",
 )
 BATCH_TIMEOUT_S = Setting(
     "GPU_PLANNER_BATCH_TIMEOUT_S",
@@ -141,6 +226,7 @@ BATCH_TIMEOUT_S = Setting(
     _seconds,
     "seconds in (0, threading.TIMEOUT_MAX], or none",
     "default bound on one batch of MooncakeSender/MooncakeReader",
+    AT_CONSTRUCTION,
 )
 
 MAX_ABANDONED_CALLS = Setting(
@@ -150,6 +236,7 @@ MAX_ABANDONED_CALLS = Setting(
     "an integer >= 1",
     "default cap on engine calls of timed-out batches still running per "
     "MooncakeSender/MooncakeReader; at the cap batches are refused until they end",
+    AT_CONSTRUCTION,
 )
 
 SETTINGS: tuple[Setting, ...] = (
@@ -167,13 +254,16 @@ SETTINGS: tuple[Setting, ...] = (
 def markdown_table() -> str:
     """docs/settings.md's table: every setting, its default, what it accepts and bounds."""
     rows = [
-        "| variable | default | accepts | what it does |",
-        "| --- | --- | --- | --- |",
+        "| variable | default | accepts | what it does | read |",
+        "| --- | --- | --- | --- | --- |",
     ]
     for setting in SETTINGS:
         default = setting.default
         default = (
             "none" if default is None else int(default) if isinstance(default, bool) else default
         )
-        rows.append(f"| `{setting.name}` | `{default}` | {setting.accepts} | {setting.meaning} |")
+        rows.append(
+            f"| `{setting.name}` | `{default}` | {setting.accepts} | {setting.meaning} "
+            f"| {setting.read} |"
+        )
     return "\n".join(rows) + "\n"

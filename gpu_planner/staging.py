@@ -90,11 +90,19 @@ def copy_into_pool(
 def pinned_pool(max_retained_bytes: int | None = None) -> BlockPool:
     """A pool of pinned blocks (default cap: `GPU_PLANNER_STAGING_RETAINED_BYTES`)."""
     if max_retained_bytes is None:
-        max_retained_bytes = settings.get(settings.STAGING_RETAINED_BYTES)
+        max_retained_bytes = settings.loaded(settings.STAGING_RETAINED_BYTES)
     return BlockPool(max_retained_bytes, allocate_pinned_block, release_pinned_block)
 
 
-_staging = pinned_pool()
+_staging: BlockPool | None = None  # the process's pool, made at its first copy
+
+
+def _shared_pool() -> BlockPool:
+    """The process's pinned pool (sized by the loaded setting when first used)."""
+    global _staging
+    if _staging is None:
+        _staging = pinned_pool()
+    return _staging
 
 
 def copy_to_host(source: torch.Tensor, stream: torch.cuda.Stream | None = None) -> torch.Tensor:
@@ -119,4 +127,4 @@ def copy_to_host_async(
     """
     if not cuda_runtime().runs_on_device(torch_device_of(sources)):
         return list(sources), None
-    return copy_into_pool(_staging, sources, stream)
+    return copy_into_pool(_shared_pool(), sources, stream)

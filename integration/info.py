@@ -105,7 +105,7 @@ def mooncake_handoff() -> Section:
         from mooncake.engine import TransferEngine
     except ImportError as error:
         return [("hand-off", f"Mooncake's engine does not import ({error})")]
-    asked = settings.get(settings.HANDOFF)
+    asked = settings.loaded(settings.HANDOFF)
     note = "" if asked == "auto" else f" ({settings.HANDOFF.name}={asked})"
     rows = []
     for direction in ("write", "read"):

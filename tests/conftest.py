@@ -109,6 +109,16 @@ def send_signature_changed(monkeypatch):
 
 
 @pytest.fixture(autouse=True)
+def knobs_read_per_test():
+    """Each test's first `settings.loaded` parses the environment as the test set it."""
+    from gpu_planner import settings as knobs
+
+    knobs.forget_loaded()
+    yield
+    knobs.forget_loaded()
+
+
+@pytest.fixture(autouse=True)
 def per_token_slices_outside_gathered_tests(request, monkeypatch):
     """The per-token slice tests send from made-up addresses: they pin the per-token path.
 

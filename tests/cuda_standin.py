@@ -6,11 +6,13 @@ staging, plan materialisation, `page_indices_async` and the sglang page hook
 run on a machine without a GPU. It keeps what makes that logic hard to get
 right on a device: a copy queued on a stream runs only when an event after it
 is waited for (a result read before its event is seen unwritten), streams and
-devices are per thread, and pinning is bookkept (unpinning what was never
-pinned fails), and after every wait `after_wait` runs: the `host_cuda` fixture
-overwrites there every block the staging pool would hand out next, as another
-thread's copy could at that moment. Kernels run at once (the Triton interpreter or the CPU path),
-as if the device were infinitely fast, so only the copies are deferred.
+the current device are per thread (a new thread starts on device 0, as in
+CUDA), memory can stand for a given device's (`place`, `memory_device`),
+pinning is bookkept (unpinning what was never pinned fails), and after every
+wait `after_wait` runs: the `host_cuda` fixture overwrites there every block
+the staging pool would hand out next, as another thread's copy could at that
+moment. Kernels run at once (the Triton interpreter or the CPU path), as if
+the device were infinitely fast, so only the copies are deferred.
 """
 
 from __future__ import annotations
@@ -99,6 +101,8 @@ class HostCudaRuntime(CudaRuntime):
         self._default_stream = HostStream()
         self.pinned: dict[int, int] = {}  # address -> bytes, of every block pinned now
         self.copies = 0  # copies queued so far
+        self.placements: list[tuple[int, int, int]] = []  # (start, end, device) of `place`
+        self.allocations: list[tuple[torch.device, int]] = []  # (device, current device) made
         self._pinned_lock = threading.Lock()
 
     def runs_on_device(self, torch_device: torch.device) -> bool:
@@ -152,6 +156,26 @@ class HostCudaRuntime(CudaRuntime):
 
     def _new_stream(self, torch_device: torch.device) -> HostStream:
         return HostStream()
+
+    def place(self, tensor: torch.Tensor, index: int) -> None:
+        """Let `tensor`'s bytes stand for memory of CUDA device `index` (`memory_device`)."""
+        start = tensor.data_ptr()
+        self.placements.append((start, start + tensor.numel() * tensor.element_size(), index))
+
+    def memory_device(self, address: int) -> torch.device:
+        """`cuda:N` for bytes `place`d on device N; host memory otherwise."""
+        for start, end, index in self.placements:
+            if start <= address < end:
+                return torch.device("cuda", index)
+        return torch.device("cpu")
+
+    def empty_bytes(self, nbytes: int, torch_device: torch.device) -> torch.Tensor:
+        """Host bytes standing for `torch_device`'s; records (device, current device) made."""
+        region = torch.empty(nbytes, dtype=torch.uint8)
+        if torch_device.type == "cuda":
+            self.place(region, torch_device.index or 0)
+        self.allocations.append((torch_device, self.current_device()))
+        return region
 
 
 def scribble_free_blocks(pool: BlockPool) -> Callable[[], None]:

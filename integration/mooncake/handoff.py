@@ -46,7 +46,7 @@ def _engine_has_arrays(engine_type: type, direction: Direction) -> bool:
 @functools.cache
 def _log_form_once(engine_type: type, direction: Direction, form: HandoffForm) -> None:
     """Log, once per engine class, direction and form, which hand-off it gets and why."""
-    if settings.get(settings.HANDOFF) != "auto":
+    if settings.loaded(settings.HANDOFF) != "auto":
         reason = f"{settings.HANDOFF.name}={form}"
     elif form == ARRAYS:
         reason = "the engine has batch_transfer_sync_*_arrays"
@@ -69,7 +69,7 @@ def engine_form(engine_type: type, direction: Direction = "write") -> HandoffFor
     on a class without it is a `settings.SettingError`.
     """
     has_arrays = _engine_has_arrays(engine_type, direction)
-    asked = settings.get(settings.HANDOFF)
+    asked = settings.loaded(settings.HANDOFF)
     if asked == ARRAYS and not has_arrays:
         raise settings.SettingError(
             f"{settings.HANDOFF.name}=arrays, but {engine_type.__qualname__} has no "

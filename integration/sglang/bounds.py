@@ -25,7 +25,6 @@ failed-send status with `refuse`.
 
 from __future__ import annotations
 
-import functools
 import logging
 import threading
 from collections.abc import Sequence
@@ -179,7 +178,7 @@ def _registered_regions(kv_args: Any) -> tuple[np.ndarray, np.ndarray]:
     return _regions(tuple(ptrs), tuple(lens))
 
 
-@functools.lru_cache(maxsize=settings.get(settings.LAYOUT_CACHE_SIZE))
+@settings.sized_cache(settings.LAYOUT_CACHE_SIZE)
 def _regions(ptrs: tuple[int, ...], lens: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
     """Built once per registration (it does not change while the manager lives)."""
     regions = sorted(

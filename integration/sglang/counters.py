@@ -15,6 +15,8 @@ sglang's own `sglang:*` series:
 - `gpu_planner:sends_total{hook, handoff}`: hooked sends by hook (`generic`,
   `slice`, `gathered`) and Mooncake hand-off (`arrays`, `lists`);
 - `gpu_planner:fallbacks_total{reason}`: calls handed back to sglang's code;
+- `gpu_planner:failed_sends_total{reason}`: hooked sends that failed after
+  their first engine call (sglang got -1), by what failed;
 - `gpu_planner:descriptors_total`, `gpu_planner:bytes_total`: what the sends
   handed to Mooncake;
 - `gpu_planner:plan_seconds_total`: time spent planning (before the first
@@ -43,6 +45,7 @@ RUNS_PER_BUFFER_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 1024, 4096)
 _lock = threading.Lock()
 _sends: collections.Counter[tuple[str, str]] = collections.Counter()
 _fallbacks: collections.Counter[str] = collections.Counter()
+_failures: collections.Counter[str] = collections.Counter()
 _totals: collections.Counter[str] = collections.Counter()
 _max_runs_per_buffer = 0
 _prometheus: dict[str, Any] | None = None
@@ -102,12 +105,22 @@ def record_fallback(reason: str) -> None:
         metrics["fallbacks"].labels(reason=reason).inc()
 
 
+def record_failure(reason: str) -> None:
+    """Count one hooked send that failed after an engine call had started, by `reason`."""
+    with _lock:
+        _failures[reason] += 1
+    metrics = _prometheus_metrics()
+    if metrics is not None:
+        metrics["failed_sends"].labels(reason=reason).inc()
+
+
 def snapshot() -> dict[str, Any]:
     """This process's counts: a new dict of plain values, safe to keep and compare."""
     with _lock:
         return {
             "sends": {f"{hook}/{handoff}": count for (hook, handoff), count in _sends.items()},
             "fallbacks": dict(_fallbacks),
+            "failed_sends": dict(_failures),
             "descriptors": _totals["descriptors"],
             "bytes": _totals["bytes"],
             "plan_seconds": _totals["plan_seconds"],
@@ -137,6 +150,11 @@ def _prometheus_metrics() -> dict[str, Any] | None:
                 ),
                 "fallbacks": Counter(
                     "gpu_planner:fallbacks", "Calls handed back to sglang's code", ["reason"]
+                ),
+                "failed_sends": Counter(
+                    "gpu_planner:failed_sends",
+                    "Hooked sends that failed after their first engine call",
+                    ["reason"],
                 ),
                 "descriptors": Counter("gpu_planner:descriptors", "Descriptors handed to Mooncake"),
                 "bytes": Counter(

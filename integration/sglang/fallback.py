@@ -1,24 +1,39 @@
-"""The sglang hooks' one convention for "run sglang's own code" and "return sglang's status".
+"""The sglang hooks' contract, enforced in one place: `around`.
 
-A hook runs with the target's own arguments. Where it cannot do the call the
-way sglang would (an input the planner does not model), it raises `Fallback`
-with the reason, before any byte moves; `around` logs each reason once,
-counts it, and runs the original. Where sglang itself would return a status
-without transferring (it has logged and, where it does, concluded the
-request), a hook's helper raises `Failed` and `around` returns that status.
-Everything else, engine statuses included, the hook returns as sglang would.
+A hook runs inside sglang's transfer worker, whose thread ends for good on
+any exception a send raises. So whatever a hook does, exactly one of these
+leaves it:
+
+(a) sglang's status for a send it completed (or that sglang itself would
+    have refused without transferring: the hook raises `Failed(status)`);
+(b) sglang's own code, run on the same arguments, when no engine call had
+    started: the hook raised `Fallback(reason)`, or any other `Exception`
+    (a partial manager, a device error, a bug), counted and logged once per
+    reason;
+(c) -1, once an engine call had started, after every task the hook submitted
+    has ended (queued ones cancelled): a failed send, as sglang reports one,
+    counted and logged once per reason. Never a fallback after a byte moved.
+
+A `BaseException` that is not an `Exception` (interrupt, exit) propagates.
+What a call started is tracked by its `SendProgress` (`current_send()`):
+the adapter marks each engine call there, and the hooks keep their executor
+futures there.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
+import contextvars
 import functools
 import logging
 import threading
 from collections.abc import Callable
 
-from gpu_planner.integration.sglang.counters import record_fallback
+from gpu_planner.integration.sglang.counters import record_failure, record_fallback
 
 logger = logging.getLogger("gpu_planner.integration.sglang.plugin")
+
+FAILED_SEND = -1  # sglang's status for a failed transfer
 
 _logged_keys: set[str] = set()
 _logged_lock = threading.Lock()
@@ -36,33 +51,98 @@ class Fallback(Exception):
 class Failed(Exception):
     """Return `status` for this call, as sglang returns it without transferring."""
 
-    def __init__(self, status: int = -1) -> None:
+    def __init__(self, status: int = FAILED_SEND) -> None:
         super().__init__(status)
         self.status = status
+
+
+class SendProgress:
+    """What one hooked call has started: engine calls, and the executor tasks that make them."""
+
+    def __init__(self) -> None:
+        self.futures: list[concurrent.futures.Future] = []
+        self._engine_calls = 0
+        self._lock = threading.Lock()
+
+    def engine_call_starting(self) -> None:
+        """Called (from any thread) right before an engine call: bytes may move from now on."""
+        with self._lock:
+            self._engine_calls += 1
+
+    @property
+    def engine_called(self) -> bool:
+        with self._lock:
+            return self._engine_calls > 0
+
+    def settle(self) -> None:
+        """Cancel the tasks not started and wait for the others to end."""
+        for future in self.futures:
+            future.cancel()
+        concurrent.futures.wait(self.futures)
+
+
+_current_send: contextvars.ContextVar[SendProgress | None] = contextvars.ContextVar(
+    "gpu_planner_send", default=None
+)
+
+
+def current_send() -> SendProgress:
+    """The progress of the hooked call running in this thread (a fresh one outside `around`)."""
+    progress = _current_send.get()
+    return SendProgress() if progress is None else progress
+
+
+def _log_once(level: int, message: str, key: str, error: Exception | None = None) -> None:
+    with _logged_lock:
+        if key in _logged_keys:
+            return
+        _logged_keys.add(key)
+    logger.log(level, message, exc_info=error)
 
 
 def log_fallback_once(reason: str, key: str | None = None) -> None:
     """Count every fallback by `key` (default: the reason); log `reason` at INFO the first time."""
     key = reason if key is None else key
     record_fallback(key)
-    with _logged_lock:
-        if key in _logged_keys:
-            return
-        _logged_keys.add(key)
-    logger.info("gpu_planner: falling back to sglang's original code: %s", reason)
+    _log_once(logging.INFO, f"gpu_planner: falling back to sglang's original code: {reason}", key)
 
 
 def around(hook: Callable) -> Callable:
     """`hook` as an AROUND hook for sglang's HookRegistry: `(original, *args, **kwargs)`."""
+    name = hook.__name__
 
     @functools.wraps(hook)
     def run(original: Callable, *args, **kwargs):
+        progress = SendProgress()
+        token = _current_send.set(progress)
         try:
             return hook(*args, **kwargs)
-        except Fallback as fallback:
-            log_fallback_once(fallback.reason, fallback.key)
-            return original(*args, **kwargs)
         except Failed as failed:
-            return failed.status
+            outcome = failed.status, "", "", None
+        except Fallback as fallback:
+            outcome = None, fallback.reason, fallback.key, None
+        except Exception as error:  # the contract: nothing but (a)-(c) leaves a hook
+            reason = f"{name} raised {type(error).__name__}: {error}"
+            outcome = None, reason, f"{name}: {type(error).__name__}", error
+        finally:
+            _current_send.reset(token)
+        status, reason, key, unexpected = outcome
+        progress.settle()
+        if status is not None:
+            return status
+        if progress.engine_called:
+            record_failure(key)
+            _log_once(
+                logging.ERROR,
+                f"gpu_planner: a send failed after its first engine call ({reason}); "
+                "sglang gets -1, as for any failed transfer",
+                f"failed: {key}",
+                unexpected,
+            )
+            return FAILED_SEND
+        if unexpected:
+            _log_once(logging.WARNING, f"gpu_planner: {reason}", f"unexpected: {key}", True)
+        log_fallback_once(reason, key)
+        return original(*args, **kwargs)
 
     return run

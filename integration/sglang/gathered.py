@@ -9,23 +9,29 @@ pages, then sent as one descriptor per run of consecutive decode pages per
 buffer: the descriptor count of an equal-TP send of the same pages, or fewer.
 
 Staging: one region per `MooncakeKVManager` of `GPU_PLANNER_GATHER_STAGING_BYTES`
-bytes on the KV's device (the current CUDA device's when CUDA is in use,
-else host memory), registered with the manager's engine through sglang's own
-wrapper (`register`/`deregister`) on the first gathered send, and kept while
-the manager lives. It is cut into two slots: while one slot's chunk is on the
-wire, the next chunk is gathered into the other. A slot is lent to one chunk
-at a time and comes back when that chunk's engine call has ended (or was
-cancelled before it started), never earlier, whatever the send's status.
+bytes on the device whose memory holds the KV buffers (asked of CUDA for
+their addresses: sglang's transfer threads never select a device, so the
+thread's current device says nothing), registered with the manager's engine
+through sglang's own wrapper (`register`/`deregister`) on the first gathered
+send, and kept while the manager lives. It is cut into `SLOTS` slots, and a
+send holds at most `SLOTS_PER_SEND` of them: while one chunk is on the wire,
+the next is gathered into the send's other slot. No send waits for another's
+slot (a stalled peer holds its slots until Mooncake gives up on it): a send
+takes free slots without waiting, takes sglang's per-token descriptors when
+none is free (counted), and otherwise waits only for its own earlier chunks.
+A slot comes back to the region when the last engine call that read it has
+ended (or was cancelled before it started), never earlier, whatever the
+send's status.
 
-Order on CUDA: the gather runs on the current stream of the KV device, after
+Order on CUDA: the gather runs on the KV device's current stream, after
 whatever that stream ran before (the forward pass that wrote the KV), and the
 chunk's engine call waits on an event recorded after the gather. Every CUDA
-call goes through `cuda_runtime()`.
+call goes through `cuda_runtime()`, under the KV device.
 
 `send_gathered` returns None where the send should take sglang's per-token
-descriptors instead (staging off, not allocatable or registrable, a chunk
-that cannot fit, a layout whose staged pages are not whole decode pages),
-logged once per reason with the size it needed.
+descriptors instead (staging off, not allocatable or registrable, busy, a
+chunk that cannot fit, a layout whose staged pages are not whole decode
+pages), logged once per reason with the size it needed.
 """
 
 from __future__ import annotations
@@ -50,10 +56,11 @@ from gpu_planner.head_slices import HeadSliceLayout
 from gpu_planner.integration.sglang import bounds
 from gpu_planner.integration.sglang.adapter import sglang_handoff
 from gpu_planner.integration.sglang.counters import record_send
-from gpu_planner.integration.sglang.fallback import log_fallback_once
+from gpu_planner.integration.sglang.fallback import current_send, log_fallback_once
 from gpu_planner.plan import exact_total
 
-SLOTS = 2  # one chunk on the wire while the next is gathered
+SLOTS = 4  # a region's slots: two sends at once each keep one chunk on the wire while gathering
+SLOTS_PER_SEND = 2  # one chunk on the wire while the next is gathered
 SLOT_ALIGNMENT = 256  # bytes: every slot starts as aligned as the region (the kernel's widest lane)
 
 
@@ -102,7 +109,7 @@ def plan_chunks(
 
 
 class GatherStaging:
-    """A registered staging region cut into `SLOTS` slots, each lent to one chunk at a time."""
+    """A registered staging region cut into `SLOTS` slots, each lent to one send at a time."""
 
     def __init__(self, manager: Any, nbytes: int, torch_device: torch.device) -> None:
         """Allocate `nbytes` on `torch_device`, registered with `manager`'s engine wrapper
@@ -115,37 +122,37 @@ class GatherStaging:
             raise RuntimeError(f"{nbytes} bytes make no {SLOTS} slots of {SLOT_ALIGNMENT} bytes")
         self.torch_device = torch_device
         self.slot_bytes = slot_bytes
-        self.region = torch.empty(SLOTS * slot_bytes, dtype=torch.uint8, device=torch_device)
+        with on_torch_device(torch_device):
+            self.region = cuda_runtime().empty_bytes(SLOTS * slot_bytes, torch_device)
         self._wrapper = manager.engine
         self._wrapper.register(self.region.data_ptr(), self.region.numel())
         self._free = list(range(SLOTS))
-        self._slot_free = threading.Condition()
+        self._lock = threading.Lock()
         self.release = weakref.finalize(manager, self._deregister)
+        self.release.atexit = False  # at exit, engine calls of daemon threads may still read it
 
     def slot(self, index: int) -> torch.Tensor:
         """Slot `index` of the region (a uint8 view)."""
         return self.region[index * self.slot_bytes : (index + 1) * self.slot_bytes]
 
-    def take(self) -> int:
-        """A free slot, waiting until a chunk's engine call ends if none is free."""
-        with self._slot_free:
-            self._slot_free.wait_for(lambda: self._free)
-            return self._free.pop(0)
+    def try_take(self) -> int | None:
+        """A free slot, or None when every slot is lent (never waits)."""
+        with self._lock:
+            return self._free.pop(0) if self._free else None
 
     def give_back(self, index: int) -> None:
         """Slot `index` is free again: the engine call that read it has ended."""
-        with self._slot_free:
+        with self._lock:
             self._free.append(index)
-            self._slot_free.notify()
 
     @property
     def free_slots(self) -> int:
-        with self._slot_free:
+        with self._lock:
             return len(self._free)
 
     def _deregister(self) -> None:
         """Deregister the region from the engine (every slot must be free)."""
-        with self._slot_free:
+        with self._lock:
             if len(self._free) != SLOTS:
                 raise RuntimeError("gather staging closed while a chunk is in flight")
         self._wrapper.deregister(self.region.data_ptr())
@@ -162,11 +169,13 @@ _stagings: weakref.WeakKeyDictionary[Any, GatherStaging | _NoStaging] = weakref.
 _stagings_lock = threading.Lock()
 
 
-def kv_torch_device() -> torch.device:
-    """Where sglang's KV lives in this process: the current CUDA device once CUDA is in use."""
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+def kv_torch_device(kv_args: Any) -> torch.device | str:
+    """The one device whose memory holds every registered KV buffer, or why there is none."""
+    runtime = cuda_runtime()
+    devices = {runtime.memory_device(int(ptr)) for ptr in kv_args.kv_data_ptrs}
+    if len(devices) != 1:
+        return f"the KV buffers are on {sorted(map(str, devices)) or 'no device'}, not one"
+    return devices.pop()
 
 
 def staging_for(manager: Any) -> GatherStaging | str:
@@ -180,11 +189,14 @@ def staging_for(manager: Any) -> GatherStaging | str:
 
 
 def _new_staging(manager: Any) -> GatherStaging | _NoStaging:
-    nbytes = settings.get(settings.GATHER_STAGING_BYTES)
+    nbytes = settings.loaded(settings.GATHER_STAGING_BYTES)
     if nbytes == 0:
         return _NoStaging(f"{settings.GATHER_STAGING_BYTES.name}=0")
+    torch_device = kv_torch_device(manager.kv_args)
+    if isinstance(torch_device, str):
+        return _NoStaging(torch_device)
     try:
-        return GatherStaging(manager, nbytes, kv_torch_device())
+        return GatherStaging(manager, nbytes, torch_device)
     except (RuntimeError, MemoryError) as error:  # torch's out-of-memory is a RuntimeError
         return _NoStaging(f"{nbytes} bytes could not be allocated and registered ({error})")
 
@@ -247,6 +259,14 @@ def send_gathered(
         log_fallback_once(f"a gathered send was rejected ({error})", key="gather rejected")
         return None
     engine_handoff = sglang_handoff(manager.engine)
+    first_slot = staging.try_take()
+    if first_slot is None:
+        log_fallback_once(
+            "a head-sliced send takes per-token descriptors: every gather staging slot is lent "
+            "to other sends (is a peer stalled?)",
+            key="gather staging busy",
+        )
+        return None
     record_send(
         "gathered",
         engine_handoff.form,
@@ -262,22 +282,47 @@ def send_gathered(
             ready.synchronize()  # the gather has written the slot
         return engine_handoff.call(session, *engine_handoff.columns(srcs, dsts, lens))
 
-    futures: list[concurrent.futures.Future] = []
-    for chunk, (offsets, dsts, lens) in zip(chunks, columns, strict=True):
-        slot = staging.take()  # may wait for an earlier chunk's call to end: check after it
-        if _failed(futures):
-            staging.give_back(slot)
-            break  # sglang stops at a failed layer; no more chunks are gathered
-        try:
+    futures = current_send().futures
+    last_use: dict[int, concurrent.futures.Future | None] = {first_slot: None}  # slots held
+    try:
+        for chunk, (offsets, dsts, lens) in zip(chunks, columns, strict=True):
+            slot = _slot_for_next_chunk(staging, last_use)  # may wait for this send's own call
+            if _failed(futures):
+                break  # sglang stops at a failed layer; no more chunks are gathered
             ready = _gather(staging, slot, layout, chunk, src_pages, src_lens)
             srcs = offsets + staging.slot(slot).data_ptr()
             future = executor.submit(transfer, ready, srcs, dsts, lens)
-        except BaseException:
-            staging.give_back(slot)
-            raise
-        future.add_done_callback(_giving_back(staging, slot))
-        futures.append(future)
+            futures.append(future)
+            last_use[slot] = future
+    finally:
+        for slot, future in last_use.items():  # each slot back once its last reader ended
+            if future is None:
+                staging.give_back(slot)
+            else:
+                future.add_done_callback(_giving_back(staging, slot))
     return manager._await_transfer_futures(futures)
+
+
+def _slot_for_next_chunk(
+    staging: GatherStaging, last_use: dict[int, concurrent.futures.Future | None]
+) -> int:
+    """A slot this send holds and no call reads, taking another free one while it holds fewer
+    than `SLOTS_PER_SEND`; else it waits for its own oldest chunk's call to end."""
+    for slot, future in last_use.items():
+        if future is None:
+            return slot
+    if len(last_use) < SLOTS_PER_SEND:
+        slot = staging.try_take()
+        if slot is not None:
+            last_use[slot] = None
+            return slot
+    slot = next(iter(last_use))  # dicts keep insertion order: the oldest chunk's slot
+    oldest = last_use[slot]
+    assert oldest is not None
+    concurrent.futures.wait([oldest])
+    del last_use[slot]
+    last_use[slot] = None  # re-inserted last: its next chunk is the newest
+    return slot
 
 
 def _per_token(reason: str, needed: int) -> None:
@@ -311,7 +356,7 @@ def _gather(
     there before it (the forward pass that wrote the KV).
     """
     runtime = cuda_runtime()
-    with on_torch_device(staging.torch_device):
+    with on_torch_device(staging.torch_device):  # the KV's device, not the thread's
         gather_head_slices(
             chunk_layout(layout, chunk.entries),
             src_pages[chunk.pages],

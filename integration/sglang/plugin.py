@@ -8,6 +8,7 @@ sglang's `HookRegistry`, after checking that each target still has the
 signature of sglang 0.5.23 that the hooks mirror. Each hook is one
 `HookRecord` (target, hook, the target's parameters, what to compile);
 `register` iterates them and wraps each hook in `fallback.around`.
+Every knob is parsed when `register` runs (an invalid one: no hook at all);
 `GPU_PLANNER_DISABLE=1` turns the plugin off. With the page hook it also
 registers an AFTER hook on `MooncakeKVManager.__init__` that compiles the
 Triton kernels (`gp.warmup`) on the process's GPU, off the request path.
@@ -65,11 +66,21 @@ class HookRecord:
 
 def plugin_disabled() -> bool:
     """True when GPU_PLANNER_DISABLE asks for sglang's own code."""
-    return settings.get(settings.DISABLE)
+    return settings.loaded(settings.DISABLE)
 
 
 def register() -> None:
-    """Register gpu_planner's hooks with sglang (the `sglang.srt.plugins` entry point)."""
+    """Register gpu_planner's hooks with sglang (the `sglang.srt.plugins` entry point).
+
+    Every knob is parsed here, once (`settings.load`): with any value not
+    accepted, one error names it and no hook is registered, so sglang serves
+    with its own code.
+    """
+    try:
+        settings.load()
+    except settings.SettingError as error:
+        logger.error("gpu_planner: registering no hook, sglang runs its own code: %s", error)
+        return
     if plugin_disabled():
         logger.info("gpu_planner: GPU_PLANNER_DISABLE is set; sglang plans its own transfers")
         return

@@ -14,8 +14,6 @@ hook makes the same calls in the same order from the executor's threads
 
 from __future__ import annotations
 
-import concurrent.futures
-import functools
 import time
 
 import numpy as np
@@ -24,16 +22,20 @@ from sglang.srt.disaggregation.mooncake import conn
 import gpu_planner as gp
 from gpu_planner import settings
 from gpu_planner.integration.sglang import bounds
-from gpu_planner.integration.sglang.adapter import sglang_handoff
+from gpu_planner.integration.sglang.adapter import check_manager, sglang_handoff
 from gpu_planner.integration.sglang.counters import record_send
 from gpu_planner.integration.sglang.entries import Entry, SendCall, transfer_entries
-from gpu_planner.integration.sglang.fallback import Fallback
+from gpu_planner.integration.sglang.fallback import Fallback, current_send
 from gpu_planner.integration.sglang.layer_calls import submit_in_order
+
+# What the hook reads of `kv_args`: the registered buffers its bounds check uses.
+KV_FIELDS = ("kv_data_ptrs", "kv_data_lens")
 
 
 def send_kvcache_generic_hook(manager: conn.MooncakeKVManager, *args, **kwargs) -> int:
     """Plan sglang's KV send with gpu_planner; same engine calls and status as sglang's."""
     call = SendCall(*args, **kwargs)
+    check_manager(manager, KV_FIELDS)
     _check_supported(call)
     entries = transfer_entries(manager, call)
     started = time.perf_counter()
@@ -64,7 +66,7 @@ def send_kvcache_generic_hook(manager: conn.MooncakeKVManager, *args, **kwargs) 
             piece = pieces[index]
             return engine_handoff.call(session, piece.srcs, piece.dsts, piece.lens)
 
-        futures: list[concurrent.futures.Future] = []
+        futures = current_send().futures
         submit_in_order(call.executor, len(pieces), send_piece, futures)
         return manager._await_transfer_futures(futures)
     for piece in engine_handoff.pieces(plan):
@@ -74,7 +76,7 @@ def send_kvcache_generic_hook(manager: conn.MooncakeKVManager, *args, **kwargs) 
     return 0
 
 
-@functools.lru_cache(maxsize=settings.get(settings.LAYOUT_CACHE_SIZE))
+@settings.sized_cache(settings.LAYOUT_CACHE_SIZE)
 def _layout(
     src_ptrs: tuple[int, ...],
     dst_ptrs: tuple[int, ...],

@@ -23,7 +23,6 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import dataclasses
-import functools
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -40,13 +39,24 @@ from gpu_planner.block_pool import BlockPool
 from gpu_planner.errors import PlanValidationError
 from gpu_planner.head_slices import HeadSliceDescriptors, HeadSliceLayout, head_slice_descriptors
 from gpu_planner.integration.sglang import bounds, gathered
-from gpu_planner.integration.sglang.adapter import sglang_handoff
+from gpu_planner.integration.sglang.adapter import check_manager, sglang_handoff
 from gpu_planner.integration.sglang.counters import record_send
-from gpu_planner.integration.sglang.fallback import Failed, Fallback
+from gpu_planner.integration.sglang.fallback import Failed, Fallback, current_send
 from gpu_planner.integration.sglang.layer_calls import submit_in_order
 
-# Descriptor address blocks, reused from send to send (see `_build`).
-ADDRESS_POOL = BlockPool(settings.get(settings.ADDRESS_RETAINED_BYTES))
+# What the hooks read of `kv_args`: the KV (or SWA state) buffers and their registered lengths.
+KV_FIELDS = ("kv_data_ptrs", "kv_data_lens", "kv_item_lens")
+STATE_FIELDS = ("state_data_ptrs", "state_data_lens")
+
+# Descriptor address blocks, reused from send to send (see `_build`); made at the first send.
+ADDRESS_POOL: BlockPool | None = None
+
+
+def _address_pool() -> BlockPool:
+    global ADDRESS_POOL
+    if ADDRESS_POOL is None:
+        ADDRESS_POOL = BlockPool(settings.loaded(settings.ADDRESS_RETAINED_BYTES))
+    return ADDRESS_POOL
 
 
 @dataclasses.dataclass
@@ -83,6 +93,7 @@ class SwaSliceCall:
 def send_kvcache_slice_hook(manager: conn.MooncakeKVManager, *args, **kwargs) -> int:
     """sglang's head-sliced KV send, descriptors built compiled; same calls and status."""
     call = SliceCall(*args, **kwargs)
+    check_manager(manager, KV_FIELDS)
     kv_args = manager.kv_args
     # sglang's own decisions, in its order (its exceptions surface as they would).
     src_kv_item_len = kv_args.kv_item_lens[0]
@@ -186,7 +197,7 @@ def _check_kv_slice_bounds(
     )
 
 
-@functools.lru_cache(maxsize=settings.get(settings.LAYOUT_CACHE_SIZE))
+@settings.sized_cache(settings.LAYOUT_CACHE_SIZE)
 def _kv_slice_layout(
     layer_pairs: tuple[tuple[int, int], ...],
     page_size: int,
@@ -255,6 +266,7 @@ def send_swa_state_slice_hook(manager: conn.MooncakeKVManager, *args, **kwargs) 
     not split into heads), the original runs and raises it.
     """
     call = SwaSliceCall(*args, **kwargs)
+    check_manager(manager, STATE_FIELDS)
     layout = _swa_layout(manager, call)
     pages = _page_arrays(call.prefill_swa_page_indices, call.dst_swa_page_indices, lists=True)
     try:
@@ -397,7 +409,7 @@ def _build(layout: HeadSliceLayout, pages: tuple[np.ndarray, np.ndarray]) -> Hea
     that reads them has ended, whichever thread ran it (docs/sglang.md).
     """
     num_values = 2 * layout.num_layers * pages[0].size * layout.page_size
-    block = ADDRESS_POOL.borrow(8 * num_values).view(np.int64)
+    block = _address_pool().borrow(8 * num_values).view(np.int64)
     return head_slice_descriptors(layout, *pages, out=block)
 
 
@@ -430,7 +442,7 @@ def _send_layers(
         columns = engine_handoff.columns(*descriptors.layer(layer), equal_lens=True)
         return engine_handoff.call(session, *columns)  # a layer's slices are of one length
 
-    futures: list[concurrent.futures.Future] = []
+    futures = current_send().futures
     # One call at a time: to one peer, concurrent per-layer calls were slower (docs/sglang.md).
     submit_in_order(executor, descriptors.addresses.shape[1], send_layer, futures, max_tasks=1)
     return manager._await_transfer_futures(futures)

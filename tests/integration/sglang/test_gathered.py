@@ -27,6 +27,7 @@ import pytest
 from hypothesis import assume, given
 from hypothesis import strategies as st
 from sglang_plugin_support import conn, make_manager
+from suite_support import set_knob
 from test_send_handoff import ArraysEngine, ListEngine, sglang_wrapper
 from test_send_slice import (
     BUFFER_SPAN,
@@ -167,9 +168,9 @@ def check_same_bytes(raw_type, gathered_only, monkeypatch, data):
     slot_pages = data.draw(st.sampled_from([None, None, 1, 2, 7]))
     dst_item_len = fake["call"]["dst_kv_item_len"]
     if slot_pages is not None and dst_item_len > 0:
-        monkeypatch.setenv(STAGING_ENV, str(staging_bytes_for(slot_pages, dst_item_len)))
+        set_knob(monkeypatch, STAGING_ENV, str(staging_bytes_for(slot_pages, dst_item_len)))
     else:
-        monkeypatch.delenv(STAGING_ENV, raising=False)
+        set_knob(monkeypatch, STAGING_ENV, None)
     scenario, decode = real_memory(fake, src_pages, dst_pages, seed=data.draw(st.integers(0, 9)))
     expected_decode, actual_decode = copy_of(decode), copy_of(decode)
     expected = run(ORIGINAL, scenario, raw_type(registered(scenario), expected_decode), ONE_THREAD)
@@ -274,7 +275,7 @@ def send(manager, scenario: dict, executor) -> int:
 
 
 def test_staging_is_registered_once_per_manager_and_deregistered_on_release(monkeypatch):
-    monkeypatch.setenv(STAGING_ENV, str(staging_bytes_for(1, DST_ITEM_LEN)))
+    set_knob(monkeypatch, STAGING_ENV, str(staging_bytes_for(1, DST_ITEM_LEN)))
     scenario, decode = tp2_to_tp4(num_layers=2, num_pages=3)
     raw = ArraysMemoryEngine(registered(scenario), decode)
     manager = manager_for(scenario, raw)
@@ -304,7 +305,9 @@ def test_unavailable_staging_sends_per_token_and_logs_the_size_it_needed(monkeyp
         assert send(manager, scenario, ONE_THREAD) == 0
     assert counters.snapshot()["fallbacks"]["gather unavailable"] == before + 2
     [line] = [record.getMessage() for record in caplog.records]
-    assert "registration failed" in line and f"at least {2 * DST_ITEM_LEN} bytes" in line
+    assert (
+        "registration failed" in line and f"at least {gathered.SLOTS * DST_ITEM_LEN} bytes" in line
+    )
     assert [len(call[3]) for call in raw.calls] == [3 * PAGE_SIZE] * 2 * 2  # per token
     expected_decode = copy_of(decode)
     run(ORIGINAL, scenario, ArraysMemoryEngine(registered(scenario), expected_decode), ONE_THREAD)
@@ -366,7 +369,7 @@ def test_the_next_chunk_is_gathered_while_the_current_one_is_sent(monkeypatch):
     scenario, decode = tp2_to_tp4(num_layers=1, num_pages=4)
     timeline = Timeline()
     gather_ended = spy_on_gathers(monkeypatch, timeline)
-    monkeypatch.setenv(STAGING_ENV, str(staging_bytes_for(2, DST_ITEM_LEN)))  # pages 2 + 2
+    set_knob(monkeypatch, STAGING_ENV, str(staging_bytes_for(2, DST_ITEM_LEN)))  # pages 2 + 2
     raw = TimedEngine(timeline, gather_ended, registered(scenario), copy_of(decode))
     manager = manager_for(scenario, raw)
     with concurrent.futures.ThreadPoolExecutor(max_workers=3) as executor:
@@ -408,7 +411,7 @@ def test_a_failing_call_gives_sglangs_status_and_its_running_slot_waits(
     monkeypatch, raises, deferred_release
 ):
     """sglang's -1; no chunk gathered after the failure; a running call's slot stays lent."""
-    monkeypatch.setenv(STAGING_ENV, str(staging_bytes_for(3, DST_ITEM_LEN)))
+    set_knob(monkeypatch, STAGING_ENV, str(staging_bytes_for(3, DST_ITEM_LEN)))
     scenario, decode = tp2_to_tp4(num_layers=3, num_pages=3)  # six chunks of one entry
     raw = FailingHeldEngine(registered(scenario), copy_of(decode), raises=raises)
     manager = manager_for(scenario, raw)
@@ -419,7 +422,7 @@ def test_a_failing_call_gives_sglangs_status_and_its_running_slot_waits(
         assert send(manager, scenario, executor) == -1
         staging = gathered.staging_for(manager)
         if not deferred_release:
-            assert raw.holding.is_set() and staging.free_slots == 1  # call 1 holds its slot
+            assert raw.holding.is_set() and staging.free_slots == gathered.SLOTS - 1  # call 1 holds
             raw.release.set()
     assert staging.free_slots == gathered.SLOTS
     assert len(raw.calls) <= 1  # only call 1 moved bytes; nothing after the failure
@@ -442,7 +445,7 @@ class EventLog:
 
 def test_on_the_cuda_path_each_call_waits_on_its_gathers_event(monkeypatch, host_cuda):
     """Gather on the current stream, record an event after it, the call waits on that event."""
-    monkeypatch.setenv(STAGING_ENV, str(staging_bytes_for(3, DST_ITEM_LEN)))
+    set_knob(monkeypatch, STAGING_ENV, str(staging_bytes_for(3, DST_ITEM_LEN)))
     scenario, decode = tp2_to_tp4(num_layers=1, num_pages=3)
     timeline = Timeline()
     spy_on_gathers(monkeypatch, timeline)

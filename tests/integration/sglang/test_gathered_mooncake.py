@@ -18,6 +18,7 @@ import inspect
 import numpy as np
 import pytest
 from sglang_plugin_support import conn
+from suite_support import set_knob
 from test_gathered import STAGING_ENV, staging_bytes_for
 from test_send_slice_mooncake import (
     DST_HEADS,
@@ -49,11 +50,11 @@ NUM_PAGES = 20
     ids=["arrays-one-chunk", "arrays-page-pieces", "lists-page-pieces"],
 )
 def test_gathered_send_lands_sglangs_bytes_through_real_engines(monkeypatch, form, slot_pages):
-    monkeypatch.setenv("GPU_PLANNER_HANDOFF", form)
+    set_knob(monkeypatch, "GPU_PLANNER_HANDOFF", form)
     if slot_pages is None:
-        monkeypatch.delenv(STAGING_ENV, raising=False)
+        set_knob(monkeypatch, STAGING_ENV, None)
     else:
-        monkeypatch.setenv(STAGING_ENV, str(staging_bytes_for(slot_pages, DST_ITEM_LEN)))
+        set_knob(monkeypatch, STAGING_ENV, str(staging_bytes_for(slot_pages, DST_ITEM_LEN)))
     buffers = 2 * LAYERS  # K of every layer, then V
     with two_sides(
         "push", [POOL_PAGES * SRC_ITEM_LEN] * buffers, [POOL_PAGES * DST_ITEM_LEN] * 2 * buffers

@@ -78,7 +78,9 @@ def check_hooked_send_matches_sglang(kind: str, data, positional: bool):
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(fallback, "log_fallback_once", lambda *a, **k: fallbacks.append(a))
         actual = run_send(hooked_send(), scenario, positional)
-    assert fallbacks == []  # every generated input is planned, none handed back
+    # Every generated input is planned; where sglang's own code raises (its entry mapping,
+    # which the hook runs), the hook hands the call to sglang's code, which raises it.
+    assert fallbacks == [] or expected["error"] is not None
     assert actual["error"] == expected["error"]
     assert actual["status"] == expected["status"]
     assert actual["failures"] == expected["failures"]
