@@ -60,7 +60,8 @@ check pytest_cuda 200 "${cuda[@]}" "${pytest[@]}" tests --ignore=tests/integrati
   --ignore=tests/bench --ignore=tests/cuda
 # Staging lifetimes on the device: results of one copy checked after the next ones.
 check lifetimes 120 "${cuda[@]}" "${pytest[@]}" tests/test_cuda_host_path.py -k "cuda and not stand"
-# Streams, threads, devices, sync-debug, graph replay, 2**20 pages: one line per test.
+# Streams, threads, devices (the KV's device from its memory, every device when 2+), sync-debug,
+# graph replay, 2**20 pages: one line per test.
 start=$SECONDS
 "${cuda[@]}" timeout 240 "${pytest[@]}" tests/cuda -rA --junitxml="$out/cuda_paths.xml" \
   >"$out/cuda_paths.log" 2>&1

@@ -180,3 +180,36 @@ def test_a_plan_runs_on_its_pages_device_whatever_device_is_current():
     np.testing.assert_array_equal(columns, expected_columns(pages, layout))
     with pytest.raises(gp.PlanValidationError, match="one device"):
         gp.plan_transfer(torch.arange(4, device="cuda:0"), torch.arange(4, device=other), layout)
+
+
+@needs_cuda
+def test_memory_device_is_the_buffers_device_in_any_thread():
+    """sglang's transfer threads never select a device: the KV's device comes from its memory.
+
+    The stand-in twin is tests/integration/sglang/test_gathered.py's device test.
+    """
+    from gpu_planner.cuda_runtime import cuda_runtime
+
+    buffers = {
+        torch.device("cuda", index): torch.empty(4096, dtype=torch.uint8, device=f"cuda:{index}")
+        for index in range(torch.cuda.device_count())
+    }
+    host = torch.empty(4096, dtype=torch.uint8)
+    pinned = torch.empty(4096, dtype=torch.uint8).pin_memory()
+
+    def devices_seen() -> dict:
+        return {
+            device: cuda_runtime().memory_device(buffer.data_ptr() + 100)
+            for device, buffer in buffers.items()
+        } | {
+            "host": cuda_runtime().memory_device(host.data_ptr()),
+            "pinned": cuda_runtime().memory_device(pinned.data_ptr()),
+        }
+
+    with ThreadPoolExecutor(max_workers=1) as thread:  # a new thread: current device 0
+        seen = thread.submit(devices_seen).result()
+    expected = {device: device for device in buffers} | {
+        "host": torch.device("cpu"),
+        "pinned": torch.device("cpu"),
+    }
+    assert seen == expected

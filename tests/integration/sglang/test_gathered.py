@@ -24,6 +24,7 @@ import threading
 
 import numpy as np
 import pytest
+import torch
 from hypothesis import assume, given
 from hypothesis import strategies as st
 from sglang_plugin_support import conn, make_manager
@@ -466,3 +467,115 @@ def test_on_the_cuda_path_each_call_waits_on_its_gathers_event(monkeypatch, host
     for chunk in range(2):
         order = [f"gather {chunk}", f"record {chunk}", f"wait {chunk}", f"call {chunk}"]
         assert all(timeline.before(a, b) for a, b in zip(order, order[1:], strict=False))
+
+
+STALLED = "127.0.0.1:23456"  # a decode peer that stops answering mid-send
+
+
+class StalledPeerEngine(ArraysMemoryEngine):
+    """Calls to STALLED block until `resume` is set; calls to any other peer go through."""
+
+    def __init__(self, *args, **kw):
+        super().__init__(*args, **kw)
+        self.resume, self.stalled_calls = threading.Event(), threading.Semaphore(0)
+
+    def batch_transfer_sync_write_arrays(self, session, srcs, dsts, lens) -> int:
+        if session == STALLED:
+            self.stalled_calls.release()
+            assert self.resume.wait(WAIT_S), "the stalled peer was never resumed"
+        return super().batch_transfer_sync_write_arrays(session, srcs, dsts, lens)
+
+
+def send_to(manager, scenario: dict, session: str, executor) -> int:
+    return hooked_send()(
+        manager, **{**scenario["call"], "mooncake_session_id": session}, executor=executor
+    )
+
+
+@pytest.mark.parametrize("stalled_sends", [1, 2], ids=["slots-left", "every-slot-lent"])
+def test_a_stalled_peer_never_delays_a_healthy_one(monkeypatch, stalled_sends):
+    """Sends to a stalled peer hold their slots; a send to a healthy peer from another transfer
+    worker does not wait for them: it gathers into free slots, or sends per-token when none is."""
+    set_knob(monkeypatch, STAGING_ENV, str(staging_bytes_for(2, DST_ITEM_LEN)))  # pages 2 + 2
+    scenario, decode = tp2_to_tp4(num_layers=1, num_pages=4)  # four chunks, two slots a send
+    raw = StalledPeerEngine(registered(scenario), copy_of(decode))
+    manager = manager_for(scenario, raw)
+    busy_before = counters.snapshot()["fallbacks"].get("gather staging busy", 0)
+    with concurrent.futures.ThreadPoolExecutor(max_workers=2 * stalled_sends) as executor:
+        stalled = [
+            threading.Thread(target=send_to, args=(manager, scenario, STALLED, executor))
+            for _ in range(stalled_sends)
+        ]
+        for thread in stalled:
+            thread.start()
+        for _ in range(2 * stalled_sends):  # each stalled send has both its chunks on the wire
+            assert raw.stalled_calls.acquire(timeout=WAIT_S)
+        healthy = concurrent.futures.ThreadPoolExecutor(max_workers=2)
+        outcome = healthy.submit(send_to, manager, scenario, SESSION, healthy)
+        try:
+            assert outcome.result(timeout=WAIT_S) == 0  # on old code: waits for the stalled peer
+            free_during_stall = gathered.staging_for(manager).free_slots
+        finally:
+            raw.resume.set()
+            healthy.shutdown()
+        for thread in stalled:
+            thread.join(WAIT_S)
+    busy = counters.snapshot()["fallbacks"].get("gather staging busy", 0) - busy_before
+    assert busy == (stalled_sends == 2)  # no free slot: per-token, counted
+    assert free_during_stall == gathered.SLOTS - 2 * stalled_sends
+    assert gathered.staging_for(manager).free_slots == gathered.SLOTS
+    expected_decode = copy_of(decode)
+    run(ORIGINAL, scenario, ArraysMemoryEngine(registered(scenario), expected_decode), ONE_THREAD)
+    for ptr in decode:
+        np.testing.assert_array_equal(raw.decode[ptr], expected_decode[ptr])
+
+
+def test_staging_and_gathers_run_on_the_kv_device_not_the_threads(monkeypatch, host_cuda):
+    """KV on device 1 (sglang's scheduler thread selected it); the transfer thread never selects
+    a device (its current device is 0): staging, gathers and events still run on device 1."""
+    set_knob(monkeypatch, STAGING_ENV, str(staging_bytes_for(2, DST_ITEM_LEN)))
+    scenario, decode = tp2_to_tp4(num_layers=1, num_pages=4)
+    for source in scenario["sources"]:
+        host_cuda.place(torch.from_numpy(source), 1)
+    devices_seen: list[tuple[str, int]] = []
+    gather = gathered.gather_head_slices
+
+    def recorded_gather(*args, **kwargs):
+        devices_seen.append(("gather", host_cuda.current_device()))
+        return gather(*args, **kwargs)
+
+    monkeypatch.setattr(gathered, "gather_head_slices", recorded_gather)
+    new_event = host_cuda.new_event
+
+    def recorded_event():
+        devices_seen.append(("event", host_cuda.current_device()))
+        return new_event()
+
+    monkeypatch.setattr(host_cuda, "new_event", recorded_event)
+    raw = ArraysMemoryEngine(registered(scenario), copy_of(decode))
+    manager = manager_for(scenario, raw)
+    transfer_thread = concurrent.futures.ThreadPoolExecutor(max_workers=1)  # starts on device 0
+    assert transfer_thread.submit(host_cuda.current_device).result() == 0
+    assert transfer_thread.submit(send, manager, scenario, ONE_THREAD).result() == 0
+    transfer_thread.shutdown()
+    staging = gathered.staging_for(manager)
+    assert staging.torch_device == torch.device("cuda", 1)
+    assert host_cuda.memory_device(staging.region.data_ptr()) == torch.device("cuda", 1)
+    assert host_cuda.allocations == [(torch.device("cuda", 1), 1)]  # allocated under device 1
+    assert devices_seen and all(device == 1 for _, device in devices_seen)
+    assert {what for what, _ in devices_seen} == {"gather", "event"}
+    expected_decode = copy_of(decode)
+    run(ORIGINAL, scenario, ArraysMemoryEngine(registered(scenario), expected_decode), ONE_THREAD)
+    for ptr in decode:
+        np.testing.assert_array_equal(raw.decode[ptr], expected_decode[ptr])
+
+
+def test_kv_buffers_on_two_devices_send_per_token(monkeypatch, host_cuda):
+    set_knob(monkeypatch, STAGING_ENV, str(staging_bytes_for(2, DST_ITEM_LEN)))
+    monkeypatch.setattr(fallback, "_logged_keys", set())
+    scenario, decode = tp2_to_tp4(num_layers=1, num_pages=4)
+    host_cuda.place(torch.from_numpy(scenario["sources"][0]), 1)  # K on device 1, V on the host
+    raw = ArraysMemoryEngine(registered(scenario), copy_of(decode))
+    assert send(manager_for(scenario, raw), scenario, ONE_THREAD) == 0
+    assert [len(call[3]) for call in raw.calls] == [4 * PAGE_SIZE] * 2  # per token
+    assert not host_cuda.allocations
