@@ -98,7 +98,10 @@ def register() -> None:
             continue
         HookRegistry.register(record.target, around(record.hook), HookType.AROUND)
         if record.compile is not None:
-            record.compile()
+            try:
+                record.compile()
+            except Exception as error:  # the hook compiles on first use, or falls back
+                log_fallback_once(f"compiling for {record.target} failed ({error})", "compile")
 
 
 def warm_up_after_manager_init(result: None, *args: object, **kwargs: object) -> None:

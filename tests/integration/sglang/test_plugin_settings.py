@@ -8,6 +8,7 @@ the engine lacks is a counted fallback per send, never an exception.
 from __future__ import annotations
 
 import ast
+import dataclasses
 import logging
 import subprocess
 import sys
@@ -179,3 +180,21 @@ def test_arrays_asked_of_a_lists_engine_is_a_counted_fallback_per_send(monkeypat
     assert expected_engine.calls  # the send moves bytes
     assert outcomes == [(expected, expected_engine.calls)] * 2
     assert counters.snapshot()["fallbacks"]["handoff unavailable"] == before + 2
+
+
+def test_a_failed_compile_leaves_its_hook_and_stops_nothing(fresh_registry, monkeypatch):  # noqa: F811
+    """Compiling at registration is an optimisation: its failure is logged, never raised."""
+
+    def broken_compile() -> None:
+        raise RuntimeError("numba could not compile")
+
+    records = sglang_plugin.hook_records()
+    monkeypatch.setattr(
+        sglang_plugin,
+        "hook_records",
+        lambda: [dataclasses.replace(record, compile=broken_compile) for record in records],
+    )
+    before = counters.snapshot()["fallbacks"].get("compile", 0)
+    sglang_plugin.register()
+    assert sorted(fresh_registry._hooks) == sorted(record.target for record in records)
+    assert counters.snapshot()["fallbacks"]["compile"] == before + len(records)
