@@ -75,10 +75,13 @@ class SendProgress:
             return self._engine_calls > 0
 
     def settle(self) -> None:
-        """Cancel the tasks not started and wait for the others to end."""
-        for future in self.futures:
-            future.cancel()
-        concurrent.futures.wait(self.futures)
+        """Cancel the tasks not started and wait for the others to end.
+
+        A cancelled task counts as done only once a worker dequeues it, so only
+        the ones that could not be cancelled are waited for.
+        """
+        running = [future for future in self.futures if not future.cancel()]
+        concurrent.futures.wait(running)
 
 
 _current_send: contextvars.ContextVar[SendProgress | None] = contextvars.ContextVar(
@@ -141,7 +144,7 @@ def around(hook: Callable) -> Callable:
             )
             return FAILED_SEND
         if unexpected:
-            _log_once(logging.WARNING, f"gpu_planner: {reason}", f"unexpected: {key}", True)
+            _log_once(logging.WARNING, f"gpu_planner: {reason}", f"unexpected: {key}", unexpected)
         log_fallback_once(reason, key)
         return original(*args, **kwargs)
 
