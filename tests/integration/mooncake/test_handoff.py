@@ -15,7 +15,7 @@ import logging
 import numpy as np
 import pytest
 from mooncake_peer import changed_pages, expected_after, page_request, two_sides
-from suite_support import list_batches
+from suite_support import list_batches, set_knob
 
 import gpu_planner as gp
 from gpu_planner import settings
@@ -63,9 +63,9 @@ def expected_calls(path: str, direction: str, count: int) -> list[tuple[str, tup
 def path(request, monkeypatch) -> str:
     """The hand-off under test; the list path is forced through the environment variable."""
     if request.param == handoff.LISTS:
-        monkeypatch.setenv(settings.HANDOFF.name, "lists")
+        set_knob(monkeypatch, settings.HANDOFF.name, "lists")
     else:
-        monkeypatch.delenv(settings.HANDOFF.name, raising=False)
+        set_knob(monkeypatch, settings.HANDOFF.name, None)
     return request.param
 
 
@@ -95,10 +95,10 @@ def test_transfer_moves_every_byte(path: str, direction: str, buffer_workers: in
 def test_real_engine_paths(monkeypatch):
     from mooncake.engine import TransferEngine
 
-    monkeypatch.delenv(settings.HANDOFF.name, raising=False)
+    set_knob(monkeypatch, settings.HANDOFF.name, None)
     assert handoff.engine_form(TransferEngine, "write") == handoff.ARRAYS
     assert handoff.engine_form(TransferEngine, "read") == handoff.ARRAYS
-    monkeypatch.setenv(settings.HANDOFF.name, "lists")
+    set_knob(monkeypatch, settings.HANDOFF.name, "lists")
     assert handoff.engine_form(TransferEngine, "read") == handoff.LISTS
 
 
@@ -138,7 +138,7 @@ def small_plan(max_batch_pages: int = 3) -> gp.TransferPlan:
 
 @pytest.mark.parametrize(("engine_type", "path"), [(WithArrays, "arrays"), (ListsOnly, "lists")])
 def test_submit_passes_reads_local_side_first(monkeypatch, engine_type, path):
-    monkeypatch.delenv(settings.HANDOFF.name, raising=False)
+    set_knob(monkeypatch, settings.HANDOFF.name, None)
     plan = small_plan()
     engine = engine_type()
     with MooncakeReader(engine, "peer", batch_timeout_s=None) as reader:
@@ -149,7 +149,7 @@ def test_submit_passes_reads_local_side_first(monkeypatch, engine_type, path):
 
 
 def test_path_is_logged_once_per_engine_class(monkeypatch, caplog):
-    monkeypatch.delenv(settings.HANDOFF.name, raising=False)
+    set_knob(monkeypatch, settings.HANDOFF.name, None)
 
     class FreshEngine(WithArrays):  # a class no other test has logged
         pass
