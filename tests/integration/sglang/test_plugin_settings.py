@@ -144,41 +144,23 @@ def test_each_knob_is_read_when_docs_settings_md_says():
         assert f"| {setting.read} |" in docs.split(f"`{setting.name}`")[1].split("\n")[0]
 
 
-def test_arrays_asked_of_a_lists_engine_is_a_counted_fallback_per_send(monkeypatch, caplog):
+def mla_send(send) -> tuple[int, list]:
+    """One MLA send of three pages through `send`: its status and the engine's calls."""
+    engine = RecordingEngine()  # sglang's list API only
+    manager = make_manager(engine, mla=True, kv_data_ptrs=[1 << 40], kv_data_lens=[1 << 30])
+    pages = np.array([0, 1, 5], dtype=np.int32), np.array([3, 4, 9], dtype=np.int32)
+    status = send(manager, SESSION, [1 << 40], [1 << 44], [64], *pages, None)
+    return status, engine.calls
+
+
+def test_arrays_asked_of_a_lists_engine_is_a_counted_fallback_per_send(monkeypatch):
     """GPU_PLANNER_HANDOFF=arrays with an engine without the arrays API: sglang's own send."""
     set_knob(monkeypatch, "GPU_PLANNER_HANDOFF", "arrays")
     before = counters.snapshot()["fallbacks"].get("handoff unavailable", 0)
-    outcomes = []
-    for _ in range(2):
-        engine = RecordingEngine()  # sglang's list API only
-        manager = make_manager(engine, mla=True, kv_data_ptrs=[1 << 40], kv_data_lens=[1 << 30])
-        status = conn.MooncakeKVManager._send_kvcache_generic(
-            manager,
-            SESSION,
-            [1 << 40],
-            [1 << 44],
-            [64],
-            np.array([0, 1, 5], dtype=np.int32),
-            np.array([3, 4, 9], dtype=np.int32),
-            None,
-        )
-        outcomes.append((status, engine.calls))
-    expected_engine = RecordingEngine()
-    expected_manager = make_manager(
-        expected_engine, mla=True, kv_data_ptrs=[1 << 40], kv_data_lens=[1 << 30]
-    )
-    expected = ORIGINALS["send"](
-        expected_manager,
-        SESSION,
-        [1 << 40],
-        [1 << 44],
-        [64],
-        np.array([0, 1, 5], dtype=np.int32),
-        np.array([3, 4, 9], dtype=np.int32),
-        None,
-    )
-    assert expected_engine.calls  # the send moves bytes
-    assert outcomes == [(expected, expected_engine.calls)] * 2
+    outcomes = [mla_send(conn.MooncakeKVManager._send_kvcache_generic) for _ in range(2)]
+    expected = mla_send(ORIGINALS["send"])
+    assert expected[1]  # the send moves bytes
+    assert outcomes == [expected] * 2
     assert counters.snapshot()["fallbacks"]["handoff unavailable"] == before + 2
 
 
