@@ -71,6 +71,7 @@ _prctl.restype = ctypes.c_int
 _INTERVAL, _LAST_HOLDER, _LOCKED, _SWITCH_NUMBER = range(4)
 # The sampler's control words (int64, shared with Python).
 _STOP, _WINDOW_START, _LONGEST_HOLD, _LONGEST_RUNNING, _LONGEST_GAP, _HOLDER = range(6)
+_LAST_SAMPLE = 6  # the time of the latest sample whose hold and running time are written
 
 
 @numba.njit(nogil=True)
@@ -115,7 +116,9 @@ def _sample_holds(
     control[_HOLDER] gets the native thread id of that hold's holder (0: unknown).
 
     A hold counts from the window start at the earliest (control[_WINDOW_START]);
-    its running time from the first sample after both.
+    its running time from the first sample after both. The longest values are
+    reset here, at the first sample of each window, so a sample taken before
+    the window cannot write into it.
     """
     _prctl(_PR_SET_TIMERSLACK, 1, 0, 0, 0)  # this thread's sleeps end on time (1 ns slack)
     timespec = np.zeros(2, dtype=np.int64)
@@ -123,10 +126,16 @@ def _sample_holds(
     held_number = -1  # the switch number of the hold seen in the previous sample
     held_since = holder_clock = holder_id = ran_since = ran_base = 0
     last_sample = _clock_ns(_CLOCK_MONOTONIC, timespec)
+    seen_window = -1
     while control[_STOP] == 0:
+        control[_LAST_SAMPLE] = last_sample  # the previous sample is fully written
         _nanosleep(request.ctypes.data, 0)
         now = _clock_ns(_CLOCK_MONOTONIC, timespec)
         window_start = control[_WINDOW_START]
+        if window_start != seen_window:  # a new window: its longest values start at 0
+            seen_window = window_start
+            control[_LONGEST_HOLD] = control[_LONGEST_RUNNING] = control[_LONGEST_GAP] = 0
+            control[_HOLDER] = 0
         gap = now - max(last_sample, window_start)
         if gap > control[_LONGEST_GAP]:
             control[_LONGEST_GAP] = gap
@@ -265,15 +274,16 @@ class GilMonitor:
             raise RuntimeError(f"GilMonitor stamps CLOCK_MONOTONIC; perf_counter uses {clock}")
         self._gil = _gil_state()
         self._native_id_offset = _native_id_offset()
-        self._control = np.zeros(6, dtype=np.int64)
+        self._control = np.zeros(7, dtype=np.int64)
         self._sample_request = np.array([0, round(self.SAMPLE_S * 1e9)], dtype=np.int64)
         self._wait_request = np.array([0, round(self.WAIT_PROBE_S * 1e9)], dtype=np.int64)
         self._timespec = np.zeros(2, dtype=np.int64)  # the wait probe's struct timespec
         _sleep_then_stamp(self._wait_request, self._timespec)  # compile both before any window
-        stopped = np.array([1, 0, 0, 0, 0, 0], dtype=np.int64)
+        stopped = np.array([1, 0, 0, 0, 0, 0, 0], dtype=np.int64)
         _sample_holds(self._gil, self._native_id_offset, 0, self._sample_request, stopped)
         self._window_start = time.perf_counter()
         self._longest_wait = 0.0
+        self._probe_woke = 0.0  # the wake-up of the latest wait the probe has written
         self._stop = threading.Event()
         self._realtime: list[bool] = []
         self._threads = [
@@ -307,28 +317,44 @@ class GilMonitor:
 
     def _probe_waits(self) -> None:
         _ask_realtime(self._realtime)
+        seen_window = None
         while not self._stop.is_set():
             woke = _sleep_then_stamp(self._wait_request, self._timespec) * 1e-9
-            waited = time.perf_counter() - max(woke, self._window_start)
+            window_start = self._window_start
+            waited = time.perf_counter() - max(woke, window_start)
+            if window_start != seen_window:  # reset here: no earlier wait writes into it
+                seen_window, self._longest_wait = window_start, 0.0
             if waited > self._longest_wait:
                 self._longest_wait = waited
+            self._probe_woke = woke
 
     def window(self, fn: Callable[[], Any]) -> GilWindow:
         """Call `fn` and report what the monitor saw while it ran."""
         control = self._control
-        control[_LONGEST_HOLD] = control[_LONGEST_RUNNING] = control[_LONGEST_GAP] = 0
-        control[_HOLDER] = 0
-        self._longest_wait = 0.0
         self._window_start = start = time.perf_counter()
         control[_WINDOW_START] = round(start * 1e9)
         fn()
-        elapsed = time.perf_counter() - start
-        time.sleep(2 * max(self.SAMPLE_S, self.WAIT_PROBE_S))  # let both close what is open
+        end = time.perf_counter()
+        self._await_after(end)
         return GilWindow(
-            elapsed=elapsed,
+            elapsed=end - start,
             hold=control[_LONGEST_HOLD] * 1e-9,
             running=control[_LONGEST_RUNNING] * 1e-9,
             wait=self._longest_wait,
             sample_gap=control[_LONGEST_GAP] * 1e-9,
             holder=_thread_name(int(control[_HOLDER])),
         )
+
+    def _await_after(self, end: float) -> None:
+        """Wait (at most 5 s) until both threads have written what they saw up to `end`.
+
+        The sampler has written a sample taken after `end`, and the probe a wait
+        that began after it: however late a busy machine runs them, what was
+        open at `end` is recorded to `end` at least, and `sample_gap` includes
+        the gap that ends a hold's last piece.
+        """
+        end_ns, deadline = round(end * 1e9), end + 5.0
+        while (
+            self._control[_LAST_SAMPLE] < end_ns or self._probe_woke < end
+        ) and time.perf_counter() < deadline:
+            time.sleep(self.SAMPLE_S)

@@ -12,7 +12,8 @@ addresses a running Mooncake call reads.
 
 The give-back runs in a `weakref.finalize` callback, so at any point of any
 thread, including inside a garbage collection while the pool's lock is held:
-it only appends to a deque (atomic, no lock, no wait). The lock-holding
+it only appends to a deque (atomic, no lock, no wait); not at interpreter
+exit, where daemon threads may still use a live loan. The lock-holding
 `take` drains that deque. Free blocks are kept up to `max_retained_bytes`;
 beyond it the least recently used are released first (by the next `take`,
 outside the lock).
@@ -110,7 +111,8 @@ class BlockPool:
         """`block` as a uint8 array that keeps it lent; reusable once all views of it are freed
         and `ready` (the event of the last write into it; None: none pending) has completed."""
         loan = _Loan(block)
-        weakref.finalize(loan, self._returned.append, (block, ready))
+        give_back = weakref.finalize(loan, self._returned.append, (block, ready))
+        give_back.atexit = False  # at exit daemon threads may still use it: never lend it again
         return np.asarray(loan)
 
     def borrow(self, nbytes: int) -> np.ndarray:

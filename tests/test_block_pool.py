@@ -7,6 +7,9 @@ host blocks; pinned staging is checked in test_staging.py and test_cuda_host_pat
 from __future__ import annotations
 
 import gc
+import subprocess
+import sys
+import textwrap
 import threading
 
 import numpy as np
@@ -101,3 +104,32 @@ def test_a_borrowed_block_comes_back_when_its_last_view_is_freed():
     assert pool.borrow(96).ctypes.data != address  # still viewed: not lent again
     del addresses
     assert pool.borrow(96).ctypes.data == address
+
+
+def test_a_loan_alive_at_exit_is_not_given_back_during_exit_hooks():
+    """At exit daemon threads may still use a loan: its block must not be lent again then."""
+    script = textwrap.dedent(
+        """
+        import atexit
+        import weakref
+
+        # Registered before any finalizer exists: it runs after weakref's own exit hook.
+        assert not weakref.finalize._registered_with_atexit
+
+        def lend_again_at_exit():
+            print("re-lent" if pool.take(100) is block else "kept", flush=True)
+
+        atexit.register(lend_again_at_exit)
+
+        from gpu_planner.block_pool import BlockPool
+
+        pool = BlockPool(1 << 20)
+        block = pool.take(100)
+        loan = pool.lend(block, None)  # a global: alive until after the exit hooks
+        """
+    )
+    run = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.strip() == "kept"

@@ -5,16 +5,18 @@ pull (`MooncakeReader`) reads the peer's sources into local destinations. The
 first failed batch raises `TransferError` (no later batch is submitted); each
 engine call runs on its own thread so a stalled peer costs at most
 `batch_timeout_s` per batch (`TransferTimeoutError`, its still-running calls in
-`in_flight`, at most `max_abandoned_calls` of them per transfer); `close()` is
-final (no engine call starts once it has returned); batches are split into
-calls that fit Mooncake's TCP queue. docs/mooncake.md gives the measured
-behaviour of Mooncake behind each rule and when buffers may be reused.
+`in_flight`, at most `max_abandoned_calls` of them per transfer, however many
+threads submit); `close()` is final (no engine call starts once it has
+returned); batches are split into calls that fit Mooncake's TCP queue.
+docs/mooncake.md gives the measured behaviour of Mooncake behind each rule and
+when buffers may be reused.
 """
 
 from __future__ import annotations
 
 import collections
 import concurrent.futures
+import enum
 import math
 import numbers
 import threading
@@ -32,6 +34,22 @@ from gpu_planner.plan import PlanPiece, TransferPlan
 from gpu_planner.profiling import nvtx_range
 
 CallColumns = tuple[handoff.Column, handoff.Column, handoff.Column]  # one engine call
+
+
+class FromEnvironment(enum.Enum):
+    """An argument's default that its knob gives when the transfer is built (docs/settings.md).
+
+    Read then, not at import: a later value applies to transfers built later,
+    and a malformed one is a `settings.SettingError` from the constructor.
+    """
+
+    DEFAULT = "the environment's value"
+
+    def __repr__(self) -> str:
+        return "FROM_ENVIRONMENT"
+
+
+FROM_ENVIRONMENT = FromEnvironment.DEFAULT
 
 
 def checked_timeout(name: str, seconds: float | None, *, allow_zero: bool) -> float | None:
@@ -95,10 +113,15 @@ class MooncakeTransfer:
     per buffer, up to that many at a time (sglang's custom-memory-pool path);
     the batch completes when all its calls have. `batch_timeout_s` bounds each
     batch (None: no bound, and without buffer workers the calls run on the
-    submitting thread). While `max_abandoned_calls` calls abandoned by timed-out
-    batches still run, every batch is refused before its first call. Batches
-    reach Mooncake through a `handoff.Handoff`: descriptor arrays when the
-    engine takes them, else lists (`handoff_form`, detected unless given).
+    submitting thread). At most `max_abandoned_calls` calls are ever abandoned
+    by timed-out batches: each running call of a bounded batch holds one of
+    that many slots, and a batch waits (within its own bound) for a slot; while
+    abandoned calls hold every slot, each batch is refused before its first
+    call. Left at `FROM_ENVIRONMENT`, both are read when the transfer is built,
+    from GPU_PLANNER_BATCH_TIMEOUT_S (default 60 s) and
+    GPU_PLANNER_MAX_ABANDONED_CALLS (default 16). Batches reach Mooncake
+    through a `handoff.Handoff`: descriptor arrays when the engine takes them,
+    else lists (`handoff_form`, detected unless given).
     """
 
     operation = "transfer with"  # how error messages name the direction
@@ -110,11 +133,15 @@ class MooncakeTransfer:
         peer_session_id: str,
         *,
         buffer_workers: int = 0,
-        batch_timeout_s: float | None = settings.get(settings.BATCH_TIMEOUT_S),
+        batch_timeout_s: float | None | FromEnvironment = FROM_ENVIRONMENT,
         max_call_descriptors: int | None = TCP_QUEUE_DEFAULT,
-        max_abandoned_calls: int = settings.get(settings.MAX_ABANDONED_CALLS),
+        max_abandoned_calls: int | FromEnvironment = FROM_ENVIRONMENT,
         handoff_form: handoff.HandoffForm | None = None,
     ) -> None:
+        if batch_timeout_s is FROM_ENVIRONMENT:
+            batch_timeout_s = settings.get(settings.BATCH_TIMEOUT_S)
+        if max_abandoned_calls is FROM_ENVIRONMENT:
+            max_abandoned_calls = settings.get(settings.MAX_ABANDONED_CALLS)
         if buffer_workers < 0:
             raise ValueError(f"buffer_workers: must be >= 0, got {buffer_workers}")
         if max_call_descriptors is not None and max_call_descriptors < 1:
@@ -135,6 +162,8 @@ class MooncakeTransfer:
         self._lock = threading.Lock()
         self._in_flight: set[Future[int]] = set()  # calls started that have not returned
         self._abandoned: set[Future[int]] = set()  # those of them whose batch timed out
+        self._reserved = 0  # slots held by running bounded batches (each may abandon its calls)
+        self._slot_freed = threading.Condition(self._lock)  # a slot freed, or closed
         self._closed = False
 
     def __enter__(self):
@@ -154,6 +183,7 @@ class MooncakeTransfer:
         timeout = checked_timeout("timeout", timeout, allow_zero=True)
         with self._lock:
             self._closed = True
+            self._slot_freed.notify_all()  # batches waiting for a slot see it closed
             in_flight = list(self._in_flight)
         _, running = concurrent.futures.wait(in_flight, timeout=timeout)
         return [call for call in in_flight if call in running]
@@ -176,18 +206,6 @@ class MooncakeTransfer:
         confirmed = 0
         with nvtx_range(f"{type(self).__name__}/submit"):
             for index, pieces in enumerate(groups):
-                with self._lock:
-                    abandoned = len(self._abandoned)
-                if abandoned >= self.max_abandoned_calls:
-                    raise TransferError(
-                        f"Mooncake batch {index} ({self.operation} {self.peer}) refused: "
-                        f"{abandoned} abandoned calls of timed-out batches are still running "
-                        f"in Mooncake (is the peer stalled?), max_abandoned_calls="
-                        f"{self.max_abandoned_calls}; batches are accepted again once they "
-                        f"end; {confirmed} bytes were confirmed before",
-                        batch_index=index,
-                        confirmed_bytes=confirmed,
-                    )
                 with nvtx_range(f"{type(self).__name__}/batch {index}"):
                     confirmed = self._submit_batch(index, self._calls(pieces), confirmed)
         return confirmed
@@ -216,23 +234,104 @@ class MooncakeTransfer:
     def _submit_batch(self, index: int, calls: list[CallColumns], confirmed: int) -> int:
         """Run one batch's calls within the batch timeout; the bytes confirmed after it.
 
-        At most `buffer_workers` (or one) run at a time, started in order, and
-        none starts once a call has failed or found the transfer closed.
-        Raises `TransferError`; re-raises at once what is not an `Exception`.
+        At most `buffer_workers` (or one) run at a time, and no more than the
+        slots the batch holds (`_reserve`), started in order, and none starts
+        once a call has failed or found the transfer closed. Raises
+        `TransferError`; re-raises at once what is not an `Exception`.
         """
         timeout = self.batch_timeout_s
         deadline = None if timeout is None else time.monotonic() + timeout
+        slots = self._reserve(index, len(calls), deadline, confirmed)
+        try:
+            return self._run_calls(index, calls, confirmed, slots, deadline)
+        finally:
+            self._release(slots)
+
+    def _reserve(self, index: int, calls: int, deadline: float | None, confirmed: int) -> int:
+        """Slots for the calls of batch `index` that may run at once (each may be abandoned).
+
+        The cap check and the reservation are one step under the lock: running
+        calls of bounded batches and abandoned calls together never exceed
+        `max_abandoned_calls`, however many threads submit, so neither do the
+        abandoned ones. Waits for a free slot until `deadline`; raises
+        `TransferError` at once while abandoned calls hold every slot (a
+        stalled peer), when the transfer is closed, or at the deadline. An
+        unbounded batch (no deadline) abandons nothing and takes no slot.
+        """
+        wanted = min(calls, max(self.buffer_workers, 1))
+        if deadline is None:
+            return wanted
+        with self._slot_freed:
+            while True:
+                abandoned = len(self._abandoned)
+                if abandoned >= self.max_abandoned_calls:
+                    raise self._refused(
+                        index,
+                        f"{abandoned} abandoned calls of timed-out batches are still running "
+                        "in Mooncake (is the peer stalled?)",
+                        confirmed,
+                    )
+                if self._closed:
+                    raise self._closed_error(index, calls, calls, confirmed)
+                free = self.max_abandoned_calls - abandoned - self._reserved
+                if free > 0:
+                    slots = min(wanted, free)
+                    self._reserved += slots
+                    return slots
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise self._refused(
+                        index,
+                        f"no call slot freed within {self.batch_timeout_s} s ({abandoned} "
+                        f"abandoned calls, {self._reserved} running in other batches)",
+                        confirmed,
+                    )
+                self._slot_freed.wait(remaining)
+
+    def _release(self, slots: int) -> None:
+        """Give back a batch's slots; its abandoned calls count as abandoned until they end."""
+        if self.batch_timeout_s is not None:
+            with self._slot_freed:
+                self._reserved -= slots
+                self._slot_freed.notify_all()
+
+    def _refused(self, index: int, why: str, confirmed: int) -> TransferError:
+        """The `TransferError` of a batch refused before its first call, for `why`."""
+        return TransferError(
+            f"Mooncake batch {index} ({self.operation} {self.peer}) refused: {why}, "
+            f"max_abandoned_calls={self.max_abandoned_calls}; batches are accepted again once "
+            f"the abandoned calls end; {confirmed} bytes were confirmed before",
+            batch_index=index,
+            confirmed_bytes=confirmed,
+        )
+
+    def _closed_error(
+        self, index: int, not_started: int, calls: int, confirmed: int
+    ) -> TransferError:
+        """The `TransferError` of a batch that found the transfer closed."""
+        return TransferError(
+            f"Mooncake batch {index} ({self.operation} {self.peer}): the transfer was "
+            f"closed; {not_started} of its {calls} calls were not started; "
+            f"{confirmed} bytes were confirmed before, later batches not submitted",
+            batch_index=index,
+            confirmed_bytes=confirmed,
+        )
+
+    def _run_calls(
+        self,
+        index: int,
+        calls: list[CallColumns],
+        confirmed: int,
+        slots: int,
+        deadline: float | None,
+    ) -> int:
+        """`_submit_batch`'s loop: at most `slots` calls running, all done by `deadline`."""
         waiting = collections.deque(calls)
         running: dict[Future[int], CallColumns] = {}
         failed: tuple[Future[int], CallColumns] | None = None
         refused = 0  # calls that found the transfer closed
         while True:
-            while (
-                waiting
-                and failed is None
-                and not refused
-                and len(running) < max(self.buffer_workers, 1)
-            ):
+            while waiting and failed is None and not refused and len(running) < slots:
                 call = waiting.popleft()
                 running[self._start(call)] = call
             if not running:
@@ -246,10 +345,10 @@ class MooncakeTransfer:
                     self._abandoned |= self._in_flight.intersection(running)
                 raise TransferTimeoutError(
                     f"Mooncake batch {index} ({self.operation} {self.peer}): {len(running)} of "
-                    f"{len(calls)} calls still running after {timeout} s (is the peer stalled?) "
-                    f"and {len(waiting)} not started; the running ones keep writing until "
-                    f"Mooncake ends them (see in_flight); {confirmed} bytes were confirmed "
-                    "before, later batches not submitted",
+                    f"{len(calls)} calls still running after {self.batch_timeout_s} s (is the "
+                    f"peer stalled?) and {len(waiting)} not started; the running ones keep "
+                    f"writing until Mooncake ends them (see in_flight); {confirmed} bytes were "
+                    "confirmed before, later batches not submitted",
                     batch_index=index,
                     confirmed_bytes=confirmed,
                     in_flight=running,
@@ -269,13 +368,7 @@ class MooncakeTransfer:
         if failed is not None:
             raise self._failure(index, *failed, confirmed)
         if refused:
-            raise TransferError(
-                f"Mooncake batch {index} ({self.operation} {self.peer}): the transfer was "
-                f"closed; {refused + len(waiting)} of its {len(calls)} calls were not started; "
-                f"{confirmed} bytes were confirmed before, later batches not submitted",
-                batch_index=index,
-                confirmed_bytes=confirmed,
-            )
+            raise self._closed_error(index, refused + len(waiting), len(calls), confirmed)
         return confirmed
 
     def _failure(
@@ -334,9 +427,12 @@ class MooncakeTransfer:
             future.set_result(status)
 
     def _forget(self, future: Future[int]) -> None:
+        """`future`'s call has returned: no longer running, and an abandoned one frees its slot."""
         with self._lock:
             self._in_flight.discard(future)
-            self._abandoned.discard(future)
+            if future in self._abandoned:
+                self._abandoned.discard(future)
+                self._slot_freed.notify_all()
 
     def _call(self, srcs: handoff.Column, dsts: handoff.Column, lens: handoff.Column) -> int:
         """One Mooncake call for (srcs, dsts, lens) in the plan's convention; its status."""

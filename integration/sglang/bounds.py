@@ -119,8 +119,8 @@ def check_sources(
     Buffer `b`'s last read starts `last_offsets[b]` bytes into page `max_page`
     (pages of `page_lens[b]` bytes) and is `read_lens[b]` long; it must end in
     one region registered in `kv_args` (KV and state buffers) that holds
-    `ptrs[b]`. Values are int64 in [0, 2**63) with `last_offsets + read_lens`
-    at most `page_lens` (a page's reads stay in the page: `check_head_slices`).
+    `ptrs[b]`. Values are in [0, 2**63); the check is exact for any of them
+    (no sum or product leaves int64: what falls short is clamped to -1 first).
     """
     if max_page < 0 or not len(ptrs):
         return
@@ -129,7 +129,8 @@ def check_sources(
         np.asarray(values, dtype=np.int64) for values in (page_lens, last_offsets, read_lens)
     )
     room = registered_room(kv_args, ptr_array)
-    room_after_last = room - last_offsets - read_lens  # room for max_page * page_len
+    # Room left for max_page * page_len; < 0 exactly where the last read does not fit.
+    room_after_last = np.maximum(np.maximum(room, -1) - last_offsets, -1) - read_lens
     whole_pages = np.where(page_lens > 0, room_after_last // np.maximum(page_lens, 1), INT64_MAX)
     fits = (read_lens == 0) | ((room_after_last >= 0) & (max_page <= whole_pages))
     if fits.all():
@@ -142,7 +143,7 @@ def check_sources(
     end = max_page * page_len + last_offset + read_len
     where = (
         f"{int(room[bad])} registered bytes from it"
-        if room[bad] >= 0
+        if room[bad] > 0
         else "no registered buffer holds it"
     )
     raise OutOfRange(
@@ -153,7 +154,7 @@ def check_sources(
 
 
 def registered_room(kv_args: Any, ptrs: np.ndarray) -> np.ndarray:
-    """Bytes from each of `ptrs` (int64) to the end of a registered region holding it; < 0: none."""
+    """Bytes from each pointer (int64) to the end of a registered region holding it; <= 0: none."""
     starts, reach = _registered_regions(kv_args)
     holder = np.searchsorted(starts, ptrs, side="right") - 1  # >= 0: the sentinel
     return reach[holder] - ptrs
@@ -166,15 +167,21 @@ def _registered_regions(kv_args: Any) -> tuple[np.ndarray, np.ndarray]:
     `starts[i]`: a range from `ptr` is inside one region when the reach of the
     last start <= `ptr` is at least its end.
     """
-    ptrs = list(getattr(kv_args, "kv_data_ptrs", None) or [])
-    lens = list(getattr(kv_args, "kv_data_lens", None) or [])
-    for state_ptrs, state_lens in zip(
+    lists = [(getattr(kv_args, "kv_data_ptrs", None), getattr(kv_args, "kv_data_lens", None))]
+    lists += zip(
         getattr(kv_args, "state_data_ptrs", None) or [],
         getattr(kv_args, "state_data_lens", None) or [],
-        strict=False,  # sglang's registration zips them the same way
-    ):
-        ptrs += state_ptrs
-        lens += state_lens
+        strict=False,
+    )
+    ptrs: list[int] = []
+    lens: list[int] = []
+    for list_ptrs, list_lens in lists:
+        # Each pointer list with its own length list, cut to the shorter, as sglang registers
+        # them (`_registerable_regions`): a length never pairs with another list's pointer.
+        list_ptrs, list_lens = list_ptrs or (), list_lens or ()
+        count = min(len(list_ptrs), len(list_lens))
+        ptrs += list_ptrs[:count]
+        lens += list_lens[:count]
     return _regions(tuple(ptrs), tuple(lens))
 
 
@@ -183,7 +190,7 @@ def _regions(ptrs: tuple[int, ...], lens: tuple[int, ...]) -> tuple[np.ndarray, 
     """Built once per registration (it does not change while the manager lives)."""
     regions = sorted(
         (int(ptr), min(int(ptr) + int(length), INT64_MAX))
-        for ptr, length in zip(ptrs, lens, strict=False)  # as sglang registers them
+        for ptr, length in zip(ptrs, lens, strict=True)  # paired by `_registered_regions`
         if length > 0 and 0 <= ptr <= INT64_MAX
     )
     # A sentinel region before every address (reach -1) holds nothing.

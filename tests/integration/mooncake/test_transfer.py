@@ -313,9 +313,19 @@ def test_calls_abandoned_in_a_stalled_handshake_are_capped_until_they_end():
         plan = gp.plan_transfer(np.arange(4), np.arange(4), layout)
         engine = HookedEngine(local.engine)
         transfer = MooncakeSender(engine, peer, batch_timeout_s=0.5, max_abandoned_calls=1)
-        with pytest.raises(TransferTimeoutError) as caught:
-            transfer.submit(plan)
-        (abandoned,) = caught.value.in_flight
+        # Four threads submit at once: one call reaches Mooncake, the other submits are refused.
+        start = threading.Barrier(4)
+
+        def submit() -> int:
+            start.wait(WAIT_S)
+            return transfer.submit(plan)
+
+        with concurrent.futures.ThreadPoolExecutor(4) as threads:
+            errors = [call.exception(WAIT_S) for call in [threads.submit(submit) for _ in range(4)]]
+        (timed_out,) = [error for error in errors if isinstance(error, TransferTimeoutError)]
+        assert all("refused:" in str(error) for error in errors if error is not timed_out)
+        assert len(engine.calls) == 1
+        (abandoned,) = timed_out.in_flight
         with pytest.raises(TransferError, match="refused: 1 abandoned calls") as refused:
             transfer.submit(plan)
         assert not isinstance(refused.value, TransferTimeoutError) and len(engine.calls) == 1

@@ -2,20 +2,26 @@
 
 A final `close()` (no engine call starts after it returned, however a batch is
 split), exceptions that are not errors (re-raised at once, no phantom call),
-validated timeouts, the cap on abandoned calls, and exact byte totals. The
-same properties against real engines are in test_transfer.py.
+validated timeouts, the cap on abandoned calls (concurrent submits included),
+the knobs read when a transfer is built (never at import), and exact byte
+totals. The same properties against real engines are in test_transfer.py.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import math
+import os
+import re
+import subprocess
+import sys
 import threading
 
 import numpy as np
 import pytest
 
 import gpu_planner as gp
+from gpu_planner import settings
 from gpu_planner.integration.mooncake import (
     MooncakeReader,
     MooncakeSender,
@@ -255,3 +261,111 @@ def test_exact_total_matches_python_sum_on_large_and_small_values():
         lengths = rng.integers(1, high, 1000, dtype=np.int64)
         assert exact_total(lengths) == sum(lengths.tolist())
     assert exact_total(np.empty(0, dtype=np.int64)) == 0
+
+
+@pytest.mark.parametrize("buffer_workers", [0, 2])
+def test_concurrent_submits_to_a_stalled_peer_abandon_at_most_the_cap(buffer_workers):
+    # Eight threads submit at once and every call blocks: the cap check and the slot taken
+    # are one step, so only the calls of the first slots' batches start (and are abandoned);
+    # every other submit is refused before its first call.
+    engine = BlockingEngine()
+    engine.blocking.set()
+    cap, submitters = 2, 8
+    transfer = MooncakeSender(
+        engine,
+        "peer",
+        buffer_workers=buffer_workers,
+        batch_timeout_s=0.2,
+        max_call_descriptors=8,
+        max_abandoned_calls=cap,
+    )
+    plan = one_batch_plan()
+    start = threading.Barrier(submitters)
+
+    def submit() -> int:
+        start.wait(WAIT_S)
+        return transfer.submit(plan)
+
+    with concurrent.futures.ThreadPoolExecutor(submitters) as threads:
+        submits = [threads.submit(submit) for _ in range(submitters)]
+        errors = [call.exception(WAIT_S) for call in submits]
+    timed_out = [error for error in errors if isinstance(error, TransferTimeoutError)]
+    abandoned = [call for error in timed_out for call in error.in_flight]
+    assert len(engine.calls) <= cap and len(abandoned) == len(engine.calls) > 0
+    assert not any(call.done() for call in abandoned)  # still running, abandoned
+    refused = [error for error in errors if error not in timed_out]
+    assert len(refused) == submitters - len(timed_out)
+    for error in refused:
+        assert isinstance(error, TransferError) and error.in_flight == ()
+        assert re.search(rf"refused: .*max_abandoned_calls={cap}", str(error)), error
+    engine.blocking.clear()
+    engine.released.set()
+    concurrent.futures.wait(abandoned, timeout=WAIT_S)
+    assert transfer.submit(plan) == plan.total_bytes  # the slots came back
+    assert transfer.close() == []
+
+
+def test_a_batch_waits_for_a_slot_that_a_running_call_frees_in_time():
+    # Cap 1, a healthy peer: the second submit waits while the first's call runs, then runs.
+    engine = BlockingEngine()
+    engine.blocking.set()
+    transfer = MooncakeSender(engine, "peer", batch_timeout_s=WAIT_S, max_abandoned_calls=1)
+    plan = one_batch_plan()
+    with concurrent.futures.ThreadPoolExecutor(2) as threads:
+        first = threads.submit(transfer.submit, plan)
+        engine.wait_entered(1)
+        second = threads.submit(transfer.submit, plan)
+        assert not engine.entered.acquire(timeout=0.05)  # no slot: its call has not started
+        engine.released.set()
+        assert first.result(WAIT_S) == second.result(WAIT_S) == plan.total_bytes
+    assert len(engine.calls) == 2 and transfer.close() == []
+
+
+def test_importing_the_transfer_module_reads_no_knob():
+    # A malformed knob must not stop the module (and so the sglang plugin) from loading.
+    environment = {
+        **os.environ,
+        settings.BATCH_TIMEOUT_S.name: "nan",
+        settings.MAX_ABANDONED_CALLS.name: "0",
+    }
+    imported = subprocess.run(
+        [sys.executable, "-c", "import gpu_planner.integration.mooncake.transfer"],
+        env=environment,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert imported.returncode == 0, imported.stderr
+
+
+@pytest.mark.parametrize("transfer_type", [MooncakeSender, MooncakeReader])
+def test_the_default_knobs_are_read_when_a_transfer_is_built(monkeypatch, transfer_type):
+    monkeypatch.delenv(settings.BATCH_TIMEOUT_S.name, raising=False)
+    monkeypatch.delenv(settings.MAX_ABANDONED_CALLS.name, raising=False)
+    transfer = transfer_type(BlockingEngine(), "peer")
+    assert transfer.batch_timeout_s == settings.BATCH_TIMEOUT_S.default
+    assert transfer.max_abandoned_calls == settings.MAX_ABANDONED_CALLS.default
+    monkeypatch.setenv(settings.BATCH_TIMEOUT_S.name, "7.5")
+    monkeypatch.setenv(settings.MAX_ABANDONED_CALLS.name, "3")
+    transfer = transfer_type(BlockingEngine(), "peer")
+    assert (transfer.batch_timeout_s, transfer.max_abandoned_calls) == (7.5, 3)
+    given = transfer_type(BlockingEngine(), "peer", batch_timeout_s=None, max_abandoned_calls=1)
+    assert (given.batch_timeout_s, given.max_abandoned_calls) == (None, 1)  # arguments win
+
+
+@pytest.mark.parametrize(
+    ("setting", "value"),
+    [
+        (settings.BATCH_TIMEOUT_S, "0"),
+        (settings.BATCH_TIMEOUT_S, "nan"),
+        (settings.BATCH_TIMEOUT_S, "60s"),
+        (settings.MAX_ABANDONED_CALLS, "0"),
+        (settings.MAX_ABANDONED_CALLS, "many"),
+    ],
+    ids=lambda value: getattr(value, "name", repr(value)),
+)
+def test_a_malformed_default_knob_is_refused_when_a_transfer_is_built(monkeypatch, setting, value):
+    settings.load()  # the plugin's knobs, parsed before: only the constructor's read can raise
+    monkeypatch.setenv(setting.name, value)
+    with pytest.raises(settings.SettingError, match=setting.name):
+        MooncakeSender(BlockingEngine(), "peer")

@@ -16,10 +16,11 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import types
 
 import numpy as np
 import pytest
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 from sglang_plugin_support import ORIGINALS, RecordingEngine, hooked_send, make_manager
 from sglang_send_scenarios import LAYOUT_KINDS, SESSION, SendScenario, send_scenarios
@@ -38,6 +39,7 @@ from test_send_slice import (
     run,
 )
 
+from gpu_planner.inputs import INT64_MAX
 from gpu_planner.integration.sglang import bounds
 from tests.integration.mooncake.mooncake_peer import two_sides
 
@@ -339,3 +341,85 @@ def test_a_hostile_registration_moves_no_byte_between_real_engines():
         assert spy.methods == []
         for actual, before in zip(sides.destination(), sides.destination_initial(), strict=True):
             np.testing.assert_array_equal(actual, before)
+
+
+def test_each_pointer_list_pairs_with_its_own_length_list():
+    """KV lengths one short: the second KV buffer is unregistered, never given a state length.
+
+    sglang registers zip(kv_data_ptrs, kv_data_lens) and each state list with its own
+    lengths; concatenating the lists first would credit the second KV buffer with the
+    state buffer's length.
+    """
+    scenario = mla_scenario()
+    state_ptr = SRC_BASE + 64 * BUFFER_SPAN
+    engine = RecordingEngine()
+    manager = make_manager(engine, **scenario.manager, kv_data_lens=[BUFFER_SPAN])
+    manager.kv_args.state_data_ptrs = [[state_ptr]]
+    manager.kv_args.state_data_lens = [[BUFFER_SPAN]]
+    status = hooked_send()(manager, **scenario.call, executor=EXECUTOR)
+    assert (status, engine.calls) == (-1, [])
+    first, second = scenario.manager["kv_data_ptrs"]
+    with pytest.raises(bounds.OutOfRange, match="no registered buffer holds it"):
+        bounds.check_sources(manager.kv_args, [second], 0, 576, 0, 576, "pages")
+    bounds.check_sources(manager.kv_args, [first, state_ptr], 0, 576, 0, 576, "pages")
+
+
+REGION = (0x1000, 4096)  # the one registered region of the next tests: [4096, 8192)
+
+
+def fits_exactly(regions, ptr: int, max_page: int, page_len: int, last: int, read: int) -> bool:
+    """Python ints: the read ending at page `max_page`'s `last + read` lies in one region."""
+    end = ptr + max_page * page_len + last + read
+    return read == 0 or any(
+        start <= ptr and end <= min(start + length, INT64_MAX)
+        for start, length in regions
+        if length > 0
+    )
+
+
+def registration(regions) -> types.SimpleNamespace:
+    """A prefill's `kv_args` registering `regions` ((start, length) pairs) as KV buffers."""
+    return types.SimpleNamespace(
+        kv_data_ptrs=[start for start, _ in regions], kv_data_lens=[n for _, n in regions]
+    )
+
+
+@pytest.mark.parametrize(
+    ("ptr", "max_page", "page_len"),
+    [
+        (REGION[0], 2**62, 4),  # max_page * page_len is 2**64: 0 in int64
+        (REGION[0], 2**62 + 1, 2**62),  # far past the room, the product wraps too
+        (2**62, 0, 3 * 2**61),  # outside the region: room - read_len wraps positive
+        (2**62, 1, 3 * 2**61),  # the same, one page on
+    ],
+)
+def test_a_read_past_the_registered_room_is_refused_at_any_value(ptr, max_page, page_len):
+    assert not fits_exactly([REGION], ptr, max_page, page_len, 0, page_len)
+    with pytest.raises(bounds.OutOfRange):
+        bounds.check_sources(registration([REGION]), [ptr], max_page, page_len, 0, page_len, "p")
+
+
+LARGE = st.one_of(st.integers(0, 2**13), st.integers(2**61, INT64_MAX), st.integers(0, INT64_MAX))
+
+
+@example(regions=[REGION], max_page=0, buffers=[(2**62, 3 * 2**61, 0, 3 * 2**61)])
+@example(regions=[REGION], max_page=2**62, buffers=[(REGION[0], 4, 0, 4)])
+@given(
+    regions=st.lists(st.tuples(LARGE, LARGE), min_size=1, max_size=3),
+    max_page=LARGE,
+    buffers=st.lists(st.tuples(LARGE, LARGE, LARGE, LARGE), min_size=1, max_size=4),
+)
+def test_check_sources_refuses_exactly_what_does_not_fit(regions, max_page, buffers):
+    """Any values in [0, 2**63): refused exactly when one buffer's last read leaves its region."""
+    ptrs, page_lens, lasts, reads = (list(column) for column in zip(*buffers, strict=True))
+    expected = all(
+        fits_exactly(regions, ptr, max_page, page_len, last, read)
+        for ptr, page_len, last, read in buffers
+    )
+    try:
+        bounds.check_sources(registration(regions), ptrs, max_page, page_lens, lasts, reads, "p")
+    except bounds.OutOfRange:
+        fits = False
+    else:
+        fits = True
+    assert fits == expected
