@@ -109,6 +109,7 @@ class ServerSpec:
     env: tuple[tuple[str, str], ...] = ()
     command: tuple[str, ...] = (sys.executable, "-m", "sglang.launch_server")
     bootstrap: bool = False  # a prefill server: it gets a free disaggregation bootstrap port
+    prometheus_port: bool = False  # the router: its metrics server gets a free port (default 29000)
     python_path: tuple[str, ...] = ()  # folders ahead of the scaffolding on PYTHONPATH
     ready_path: str = "/health"  # answers 200 once the server takes requests
 
@@ -143,7 +144,10 @@ def router_spec(prefills: Sequence[Server], decode: Server) -> ServerSpec:
     args += ["--decode", decode.url, "--log-level", "info"]
     smg = Path(sys.executable).with_name("smg")
     # The router's /health answers before it has registered its workers; /readiness after.
-    return ServerSpec("router", tuple(args), command=(str(smg),), ready_path="/readiness")
+    # Its metrics server would bind 0.0.0.0:29000: two suites at once on one machine collide.
+    return ServerSpec(
+        "router", tuple(args), command=(str(smg),), prometheus_port=True, ready_path="/readiness"
+    )
 
 
 def server_env(spec: ServerSpec, metrics_dir: Path) -> dict[str, str]:
@@ -167,6 +171,8 @@ def start(spec: ServerSpec, log_path: Path) -> Server:
     command = [*spec.command, *spec.args, "--host", LOCALHOST, "--port", str(port)]
     if bootstrap_port is not None:
         command += ["--disaggregation-bootstrap-port", str(bootstrap_port)]
+    if spec.prometheus_port:
+        command += ["--prometheus-host", LOCALHOST, "--prometheus-port", str(free_port())]
     metrics_dir = log_path.with_suffix(f".prometheus-{port}")
     metrics_dir.mkdir()
     with log_path.open("w") as log:
