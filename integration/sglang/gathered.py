@@ -259,6 +259,12 @@ def send_gathered(
         log_fallback_once(f"a gathered send was rejected ({error})", key="gather rejected")
         return None
     engine_handoff = sglang_handoff(manager.engine)
+
+    def transfer(ready: Any, srcs: np.ndarray, dsts: np.ndarray, lens: np.ndarray) -> int:
+        if ready is not None:
+            ready.synchronize()  # the gather has written the slot
+        return engine_handoff.call(session, *engine_handoff.columns(srcs, dsts, lens))
+
     first_slot = staging.try_take()
     if first_slot is None:
         log_fallback_once(
@@ -267,24 +273,18 @@ def send_gathered(
             key="gather staging busy",
         )
         return None
-    record_send(
-        "gathered",
-        engine_handoff.form,
-        sum(column.shape[1] for column in columns),
-        sum(exact_total(column[2]) for column in columns),
-        time.perf_counter() - started,
-        layout.num_layers,
-        len(chunks),
-    )
-
-    def transfer(ready: Any, srcs: np.ndarray, dsts: np.ndarray, lens: np.ndarray) -> int:
-        if ready is not None:
-            ready.synchronize()  # the gather has written the slot
-        return engine_handoff.call(session, *engine_handoff.columns(srcs, dsts, lens))
-
     futures = current_send().futures
     last_use: dict[int, concurrent.futures.Future | None] = {first_slot: None}  # slots held
-    try:
+    try:  # from the first slot taken on, whatever raises, every slot goes back
+        record_send(
+            "gathered",
+            engine_handoff.form,
+            sum(column.shape[1] for column in columns),
+            sum(exact_total(column[2]) for column in columns),
+            time.perf_counter() - started,
+            layout.num_layers,
+            len(chunks),
+        )
         for chunk, (offsets, dsts, lens) in zip(chunks, columns, strict=True):
             slot = _slot_for_next_chunk(staging, last_use)  # may wait for this send's own call
             if _failed(futures):

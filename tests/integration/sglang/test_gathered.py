@@ -580,3 +580,22 @@ def test_kv_buffers_on_two_devices_send_per_token(monkeypatch, host_cuda):
     assert send(manager_for(scenario, raw), scenario, ONE_THREAD) == 0
     assert [len(call[3]) for call in raw.calls] == [4 * PAGE_SIZE] * 2  # per token
     assert not host_cuda.allocations
+
+
+def test_a_fault_after_the_first_slot_is_taken_gives_every_slot_back(monkeypatch):
+    """Counting the send raises once a slot is held: sglang's code runs and the slot comes back."""
+    set_knob(monkeypatch, STAGING_ENV, str(staging_bytes_for(2, DST_ITEM_LEN)))
+    scenario, decode = tp2_to_tp4(num_layers=1, num_pages=4)
+    raw = ArraysMemoryEngine(registered(scenario), copy_of(decode))
+    manager = manager_for(scenario, raw)
+
+    def broken_count(*args, **kwargs) -> None:
+        raise RuntimeError("prometheus is broken")
+
+    monkeypatch.setattr(gathered, "record_send", broken_count)
+    assert send(manager, scenario, ONE_THREAD) == 0  # sglang's own per-token send
+    assert gathered.staging_for(manager).free_slots == gathered.SLOTS
+    expected_decode = copy_of(decode)
+    run(ORIGINAL, scenario, ArraysMemoryEngine(registered(scenario), expected_decode), ONE_THREAD)
+    for ptr in decode:
+        np.testing.assert_array_equal(raw.decode[ptr], expected_decode[ptr])
