@@ -98,20 +98,20 @@ def record_send(
 
 def record_fallback(reason: str) -> None:
     """Count one call handed back to sglang's own code, by `reason` (the fallback log's key)."""
-    with _lock:
-        _fallbacks[reason] += 1
-    metrics = _prometheus_metrics()
-    if metrics is not None:
-        metrics["fallbacks"].labels(reason=reason).inc()
+    _count_by_reason(_fallbacks, "fallbacks", reason)
 
 
 def record_failure(reason: str) -> None:
     """Count one hooked send that failed after an engine call had started, by `reason`."""
+    _count_by_reason(_failures, "failed_sends", reason)
+
+
+def _count_by_reason(counts: collections.Counter[str], metric: str, reason: str) -> None:
     with _lock:
-        _failures[reason] += 1
+        counts[reason] += 1
     metrics = _prometheus_metrics()
     if metrics is not None:
-        metrics["failed_sends"].labels(reason=reason).inc()
+        metrics[metric].labels(reason=reason).inc()
 
 
 def snapshot() -> dict[str, Any]:
