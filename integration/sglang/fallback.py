@@ -23,6 +23,7 @@ futures there.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import contextvars
 import functools
 import logging
@@ -134,18 +135,22 @@ def around(hook: Callable) -> Callable:
         if status is not None:
             return status
         if progress.engine_called:
-            record_failure(key)
-            _log_once(
-                logging.ERROR,
-                f"gpu_planner: a send failed after its first engine call ({reason}); "
-                "sglang gets -1, as for any failed transfer",
-                f"failed: {key}",
-                unexpected,
-            )
+            with contextlib.suppress(Exception):  # a broken metrics folder must not escape
+                record_failure(key)
+                _log_once(
+                    logging.ERROR,
+                    f"gpu_planner: a send failed after its first engine call ({reason}); "
+                    "sglang gets -1, as for any failed transfer",
+                    f"failed: {key}",
+                    unexpected,
+                )
             return FAILED_SEND
-        if unexpected:
-            _log_once(logging.WARNING, f"gpu_planner: {reason}", f"unexpected: {key}", unexpected)
-        log_fallback_once(reason, key)
+        with contextlib.suppress(Exception):  # nor stop sglang's own code from running
+            if unexpected:
+                _log_once(
+                    logging.WARNING, f"gpu_planner: {reason}", f"unexpected: {key}", unexpected
+                )
+            log_fallback_once(reason, key)
         return original(*args, **kwargs)
 
     return run

@@ -33,7 +33,16 @@ import torch
 from sglang.srt.distributed.device_communicators.mooncake_transfer_engine import (
     MooncakeTransferEngine,
 )
-from sglang_plugin_support import ORIGINALS, common, conn, hooked_send, make_manager, send_outcome
+from sglang_plugin_support import (
+    ORIGINALS,
+    RecordingEngine,
+    common,
+    conn,
+    hooked_send,
+    make_manager,
+    send_outcome,
+)
+from sglang_send_scenarios import SESSION
 from suite_support import set_knob
 from test_gathered import (
     DST_ITEM_LEN,
@@ -652,3 +661,33 @@ def test_an_unexpected_exception_is_logged_with_its_traceback(
     assert isinstance(record.exc_info[1], RuntimeError if kind == "fallback" else TypeError)
     if injected:
         assert record.exc_info[1] is injected[0]
+
+
+class RaisingRecordingEngine:
+    """A list-API engine wrapper whose every call raises (after bytes could have moved)."""
+
+    def batch_transfer_sync(self, *args) -> int:
+        raise RuntimeError("the engine broke mid-call")
+
+
+def test_broken_counting_never_leaves_the_hook(monkeypatch):
+    """Counting and logging that raise (a broken metrics folder): the contract still holds."""
+
+    def broken(*args, **kwargs) -> None:
+        raise OSError("metrics folder gone")
+
+    monkeypatch.setattr(fallback, "record_failure", broken)
+    monkeypatch.setattr(fallback, "record_fallback", broken)
+    pages = np.array([0, 1, 5], dtype=np.int32), np.array([3, 4, 9], dtype=np.int32)
+    call = (SESSION, [1 << 40], [1 << 44], [64], *pages, None)
+
+    def manager_of(engine) -> conn.MooncakeKVManager:
+        return make_manager(engine, mla=True, kv_data_ptrs=[1 << 40], kv_data_lens=[1 << 30])
+
+    assert hooked_send()(manager_of(RaisingRecordingEngine()), *call) == -1  # (c)
+    set_knob(monkeypatch, "GPU_PLANNER_HANDOFF", "arrays")  # a lists engine: (b)
+    hooked, original = RecordingEngine(), RecordingEngine()
+    assert hooked_send()(manager_of(hooked), *call) == ORIGINALS["send"](
+        manager_of(original), *call
+    )
+    assert hooked.calls == original.calls and original.calls
