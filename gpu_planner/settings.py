@@ -220,6 +220,24 @@ GATHER_STAGING_BYTES = Setting(
     "from a lower prefill TP gather into (four slots, at most two per send: one gathered while "
     "the other is sent); 0 sends per-token descriptors",
 )
+RECEIVE_STAGING_BYTES = Setting(
+    "GPU_PLANNER_RECEIVE_STAGING_BYTES",
+    256 << 20,
+    _count(0),
+    "an integer >= 0",
+    "bytes of the decode's receive staging, registered with Mooncake once per KV manager and "
+    "advertised to gpu_planner prefills, which write a fragmented or head-sliced send into it "
+    "as a few large pieces that the decode scatters into its pages; 0 turns it off on that "
+    "decode (its prefills send as before)",
+)
+STAGING_MIN_DESCRIPTORS = Setting(
+    "GPU_PLANNER_STAGING_MIN_DESCRIPTORS",
+    64,
+    _count(1),
+    "an integer >= 1",
+    "a prefill writes a send through the decode's receive staging only when it would "
+    "otherwise take at least this many descriptors (fewer: sent as planned, counted)",
+)
 BATCH_TIMEOUT_S = Setting(
     "GPU_PLANNER_BATCH_TIMEOUT_S",
     60.0,
@@ -246,6 +264,8 @@ SETTINGS: tuple[Setting, ...] = (
     ADDRESS_RETAINED_BYTES,
     LAYOUT_CACHE_SIZE,
     GATHER_STAGING_BYTES,
+    RECEIVE_STAGING_BYTES,
+    STAGING_MIN_DESCRIPTORS,
     BATCH_TIMEOUT_S,
     MAX_ABANDONED_CALLS,
 )

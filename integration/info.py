@@ -117,6 +117,21 @@ def mooncake_handoff() -> Section:
     return rows
 
 
+def receive_staging() -> Section:
+    """Whether a decode here would advertise receive staging, and what a prefill stages."""
+    nbytes = settings.loaded(settings.RECEIVE_STAGING_BYTES)
+    region = (
+        f"off ({settings.RECEIVE_STAGING_BYTES.name}=0)"
+        if nbytes == 0
+        else f"on: {nbytes} bytes ({nbytes / 2**20:g} MiB) per decode KV manager"
+    )
+    gate = settings.loaded(settings.STAGING_MIN_DESCRIPTORS)
+    return [
+        ("decode region", region),
+        ("prefill stages", f"sends of >= {gate} descriptors to decodes that offer staging"),
+    ]
+
+
 def report() -> str:
     """Every section, as aligned `name  value` lines under a heading each."""
     sections = {
@@ -124,6 +139,7 @@ def report() -> str:
         "sglang plugin": sglang_plugin(),
         "planner backend by input": backends(),
         "Mooncake hand-off": mooncake_handoff(),
+        "receive staging": receive_staging(),
     }
     width = max(len(name) for rows in sections.values() for name, _ in rows)
     lines = []

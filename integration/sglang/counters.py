@@ -13,7 +13,8 @@ folder on `/metrics`. When that variable is set the counts are also kept as
 sglang's own `sglang:*` series:
 
 - `gpu_planner:sends_total{hook, handoff}`: hooked sends by hook (`generic`,
-  `slice`, `gathered`) and Mooncake hand-off (`arrays`, `lists`);
+  `slice`, `gathered`, `staged`: written through the decode's receive
+  staging) and Mooncake hand-off (`arrays`, `lists`);
 - `gpu_planner:fallbacks_total{reason}`: calls handed back to sglang's code;
 - `gpu_planner:failed_sends_total{reason}`: hooked sends that failed after
   their first engine call (sglang got -1), by what failed;
@@ -27,7 +28,11 @@ sglang's own `sglang:*` series:
   generic send, that is its runs per KV buffer, batch cuts included (1 when
   both page lists are contiguous and no cut falls inside them);
 - `gpu_planner:fragmented_sends_total`: generic sends whose page lists break
-  (a batch holds two or more runs of a buffer), batch cuts aside.
+  (a batch holds two or more runs of a buffer), batch cuts aside;
+- `gpu_planner:staged_scatters_total` (decode): staged chunks scattered into
+  the decode's pages; `gpu_planner:receive_staging_fallbacks_total{reason}`
+  (decode): requests or chunks that could not use the receive staging (no
+  room in the region, a rejected chunk), by reason.
 """
 
 from __future__ import annotations
@@ -46,6 +51,7 @@ _lock = threading.Lock()
 _sends: collections.Counter[tuple[str, str]] = collections.Counter()
 _fallbacks: collections.Counter[str] = collections.Counter()
 _failures: collections.Counter[str] = collections.Counter()
+_receive_fallbacks: collections.Counter[str] = collections.Counter()
 _totals: collections.Counter[str] = collections.Counter()
 _max_runs_per_buffer = 0
 _prometheus: dict[str, Any] | None = None
@@ -106,6 +112,20 @@ def record_failure(reason: str) -> None:
     _count_by_reason(_failures, "failed_sends", reason)
 
 
+def record_scatter(chunks: int = 1) -> None:
+    """Count staged chunks the decode scattered into its pages."""
+    with _lock:
+        _totals["staged_scatters"] += chunks
+    metrics = _prometheus_metrics()
+    if metrics is not None:
+        metrics["staged_scatters"].inc(chunks)
+
+
+def record_receive_fallback(reason: str) -> None:
+    """Count, on decode, a request or chunk that did not go through the receive staging."""
+    _count_by_reason(_receive_fallbacks, "receive_staging_fallbacks", reason)
+
+
 def _count_by_reason(counts: collections.Counter[str], metric: str, reason: str) -> None:
     with _lock:
         counts[reason] += 1
@@ -121,6 +141,8 @@ def snapshot() -> dict[str, Any]:
             "sends": {f"{hook}/{handoff}": count for (hook, handoff), count in _sends.items()},
             "fallbacks": dict(_fallbacks),
             "failed_sends": dict(_failures),
+            "receive_staging_fallbacks": dict(_receive_fallbacks),
+            "staged_scatters": _totals["staged_scatters"],
             "descriptors": _totals["descriptors"],
             "bytes": _totals["bytes"],
             "plan_seconds": _totals["plan_seconds"],
@@ -155,6 +177,14 @@ def _prometheus_metrics() -> dict[str, Any] | None:
                     "gpu_planner:failed_sends",
                     "Hooked sends that failed after their first engine call",
                     ["reason"],
+                ),
+                "receive_staging_fallbacks": Counter(
+                    "gpu_planner:receive_staging_fallbacks",
+                    "Decode requests or chunks that did not use the receive staging",
+                    ["reason"],
+                ),
+                "staged_scatters": Counter(
+                    "gpu_planner:staged_scatters", "Staged chunks scattered into decode pages"
                 ),
                 "descriptors": Counter("gpu_planner:descriptors", "Descriptors handed to Mooncake"),
                 "bytes": Counter(

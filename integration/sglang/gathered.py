@@ -289,7 +289,7 @@ def send_gathered(
             slot = _slot_for_next_chunk(staging, last_use)  # may wait for this send's own call
             if _failed(futures):
                 break  # sglang stops at a failed layer; no more chunks are gathered
-            ready = _gather(staging, slot, layout, chunk, src_pages, src_lens)
+            ready = gather_into_slot(staging, slot, layout, chunk, src_pages, src_lens)
             srcs = offsets + staging.slot(slot).data_ptr()
             future = executor.submit(transfer, ready, srcs, dsts, lens)
             futures.append(future)
@@ -342,7 +342,7 @@ def _registered_lens(kv_args: Any, layout: HeadSliceLayout) -> np.ndarray | str:
     return room
 
 
-def _gather(
+def gather_into_slot(
     staging: GatherStaging,
     slot: int,
     layout: HeadSliceLayout,

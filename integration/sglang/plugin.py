@@ -24,7 +24,7 @@ import logging
 import pkgutil
 from collections.abc import Callable
 
-from gpu_planner import cpu_backend, head_slices, settings
+from gpu_planner import cpu_backend, head_scatter, head_slices, settings
 from gpu_planner.integration.sglang.fallback import around, log_fallback_once
 
 logger = logging.getLogger(__name__)
@@ -34,6 +34,15 @@ SLICE_TARGET = "sglang.srt.disaggregation.mooncake.conn.MooncakeKVManager.send_k
 SWA_SLICE_TARGET = "sglang.srt.disaggregation.mooncake.conn.MooncakeKVManager._send_swa_state_slice"
 PAGES_TARGET = "sglang.srt.mem_cache.common.kv_to_page_indices"
 WARMUP_TARGET = "sglang.srt.disaggregation.mooncake.conn.MooncakeKVManager.__init__"
+# Receive staging (`staged_send`: prefill, `receive_staging`: decode).
+_MOONCAKE = "sglang.srt.disaggregation.mooncake.conn"
+_COMMON = "sglang.srt.disaggregation.common.conn.CommonKVManager"
+REGISTRATION_MESSAGE_TARGET = f"{_MOONCAKE}.MooncakeKVManager.build_receiver_registration_message"
+METADATA_MESSAGE_TARGET = f"{_MOONCAKE}.MooncakeKVManager.build_receiver_metadata_message"
+CHUNK_READY_TARGET = f"{_COMMON}.handle_chunk_ready"
+PREFILL_STATUS_TARGET = f"{_COMMON}.apply_prefill_status"
+REGISTRATION_INFO_TARGET = f"{_MOONCAKE}.KVArgsRegisterInfo.from_zmq"
+TRANSFER_INFO_TARGET = f"{_MOONCAKE}.TransferInfo.from_zmq"
 
 Parameters = tuple[tuple[str, object], ...]
 
@@ -53,15 +62,19 @@ class HookRecord:
     """One sglang target and gpu_planner's hook on it.
 
     `hook` takes the target's own arguments and raises `fallback.Fallback` to
-    run the original; `parameters` are the target's, as sglang 0.5.23 has them
-    (from the call dataclass the hook binds its arguments with); `compile`
-    runs once the hook is registered, so no request waits for compilation.
+    run the original (`fallback.around` enforces the contract); a hook with
+    `takes_original` is registered as it is: it calls the original itself,
+    returns what the original returned (with what the plugin adds to it) and
+    lets no exception of its own out. `parameters` are the target's, as
+    sglang 0.5.23 has them; `compile` runs once the hook is registered, so no
+    request waits for compilation.
     """
 
     target: str
     hook: Callable
     parameters: Parameters
     compile: Callable[[], None] | None = None
+    takes_original: bool = False
 
 
 def plugin_disabled() -> bool:
@@ -96,7 +109,8 @@ def register() -> None:
         if mismatch is not None:
             log_fallback_once(mismatch)
             continue
-        HookRegistry.register(record.target, around(record.hook), HookType.AROUND)
+        hook = record.hook if record.takes_original else around(record.hook)
+        HookRegistry.register(record.target, hook, HookType.AROUND)
         if record.compile is not None:
             try:
                 record.compile()
@@ -135,8 +149,36 @@ def hook_records() -> list[HookRecord]:
     """Every hook, in registration order. ImportError without sglang's Mooncake connector."""
     # Imported here: these pull in sglang's Mooncake connector, which only
     # sglang processes (not `import gpu_planner`) should pay for.
-    from gpu_planner.integration.sglang import pages, send, send_slice
+    from gpu_planner.integration.sglang import (
+        pages,
+        receive_staging,
+        send,
+        send_slice,
+        staged_send,
+    )
     from gpu_planner.integration.sglang.entries import SendCall
+
+    empty = inspect.Parameter.empty
+    metadata_parameters = tuple(
+        (name, empty)
+        for name in (
+            "self",
+            "bootstrap_room",
+            "required_dst_info_num",
+            "kv_indices",
+            "aux_index",
+            "state_indices",
+            "decode_prefix_len",
+            "is_dummy",
+        )
+    ) + (("device_kv_indices", None),)
+    status_parameters = (
+        ("self", empty),
+        ("bootstrap_room", empty),
+        ("status", empty),
+        ("prefill_rank", empty),
+        ("failure_reason", None),
+    )
 
     return [
         HookRecord(
@@ -162,6 +204,43 @@ def hook_records() -> list[HookRecord]:
             pages.kv_to_page_indices_hook,
             call_parameters(pages.PagesCall, method=False),
             _register_warm_up,
+        ),
+        HookRecord(
+            REGISTRATION_MESSAGE_TARGET,
+            receive_staging.registration_message_hook,
+            (("self", empty),),
+            takes_original=True,
+        ),
+        HookRecord(
+            METADATA_MESSAGE_TARGET,
+            receive_staging.metadata_message_hook,
+            metadata_parameters,
+            takes_original=True,
+        ),
+        HookRecord(
+            CHUNK_READY_TARGET,
+            receive_staging.chunk_ready_hook,
+            (("self", empty), ("msg", empty)),
+            head_scatter.compile_kernels,  # decodes scatter staged chunks on the CPU loop
+            takes_original=True,
+        ),
+        HookRecord(
+            PREFILL_STATUS_TARGET,
+            receive_staging.prefill_status_hook,
+            status_parameters,
+            takes_original=True,
+        ),
+        HookRecord(
+            REGISTRATION_INFO_TARGET,
+            staged_send.registration_info_hook,
+            (("msg", empty),),
+            takes_original=True,
+        ),
+        HookRecord(
+            TRANSFER_INFO_TARGET,
+            staged_send.transfer_info_hook,
+            (("msg", empty),),
+            takes_original=True,
         ),
     ]
 

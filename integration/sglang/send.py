@@ -27,6 +27,7 @@ from gpu_planner.integration.sglang.counters import record_send
 from gpu_planner.integration.sglang.entries import Entry, SendCall, transfer_entries
 from gpu_planner.integration.sglang.fallback import Fallback, current_send
 from gpu_planner.integration.sglang.layer_calls import submit_in_order
+from gpu_planner.integration.sglang.staged_send import StagedEntries, send_staged
 
 # What the hook reads of `kv_args`: the registered buffers its bounds check uses.
 KV_FIELDS = ("kv_data_ptrs", "kv_data_lens")
@@ -47,6 +48,16 @@ def send_kvcache_generic_hook(manager: conn.MooncakeKVManager, *args, **kwargs) 
         raise Fallback(f"the planner rejected a send ({error})", key="planner rejected") from None
     if plan is None:
         return 0
+    staged_status = send_staged(
+        manager,
+        call.mooncake_session_id,
+        call.prefill_data_indices,
+        call.dst_data_indices,
+        StagedEntries.of_plan(plan.layout, call.dst_device_data_ptrs),
+        plan.num_descriptors,
+    )
+    if staged_status is not None:
+        return staged_status
     plan_seconds = time.perf_counter() - started
     engine_handoff = sglang_handoff(manager.engine)
     record_send(

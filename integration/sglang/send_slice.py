@@ -38,7 +38,7 @@ from gpu_planner import settings
 from gpu_planner.block_pool import BlockPool
 from gpu_planner.errors import PlanValidationError
 from gpu_planner.head_slices import HeadSliceDescriptors, HeadSliceLayout, head_slice_descriptors
-from gpu_planner.integration.sglang import bounds, gathered
+from gpu_planner.integration.sglang import bounds, gathered, staged_send
 from gpu_planner.integration.sglang.adapter import check_manager, sglang_handoff
 from gpu_planner.integration.sglang.counters import record_send
 from gpu_planner.integration.sglang.fallback import Failed, Fallback, current_send
@@ -141,6 +141,18 @@ def send_kvcache_slice_hook(manager: conn.MooncakeKVManager, *args, **kwargs) ->
             dst_head_start * head_len,
             slice_len,
         )
+        staged = staged_send.StagedEntries.of_head_slices(layout)
+        if manager.attn_tp_size > call.dst_attn_tp_size and staged is not None:
+            status = staged_send.send_staged(
+                manager,
+                call.mooncake_session_id,
+                pages[0],
+                call.dst_kv_indices,
+                staged,
+                layout.num_layers * pages[0].size * page_size,  # one per token per buffer
+            )
+            if status is not None:  # None: not staged, per-token descriptors
+                return status
         if gathered.gathers(manager.attn_tp_size, call.dst_attn_tp_size):
             status = gathered.send_gathered(
                 manager, call.mooncake_session_id, layout, pages, call.executor

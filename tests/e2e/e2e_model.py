@@ -1,6 +1,6 @@
 """A tiny random Llama, written at test time from a fixed seed: no download.
 
-Two layers, grouped-query attention (4 query heads, 2 KV heads of 16 dims), a
+Two layers (or as many as asked), grouped-query attention (4 query heads, 2 KV heads of 16 dims), a
 512-token vocabulary, bfloat16 safetensors. The servers run with
 `--skip-tokenizer-init` and take token ids, so no tokenizer is written. The
 weights are drawn wider than Hugging Face's default (std 0.5, not 0.02) so the
@@ -18,13 +18,13 @@ VOCAB_SIZE = 512
 MAX_POSITIONS = 4096
 
 
-def write_tiny_llama(folder: Path, seed: int = 0) -> Path:
-    """Write the model to `folder` (config.json + model.safetensors) and return it."""
+def write_tiny_llama(folder: Path, seed: int = 0, layers: int = 2) -> Path:
+    """Write the model, with `layers` decoder layers, to `folder` and return it."""
     config = LlamaConfig(
         vocab_size=VOCAB_SIZE,
         hidden_size=64,
         intermediate_size=128,
-        num_hidden_layers=2,
+        num_hidden_layers=layers,
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=MAX_POSITIONS,

@@ -35,10 +35,15 @@ MOONCAKE_0_3_13 = Path(sys.prefix) / "mooncake-0.3.13"
 def decode_spec(
     name: str, model: Path, page_size: int, batch_pages: int, python_path: tuple[str, ...] = ()
 ) -> ServerSpec:
-    """The decode server of a scenario: the small pool."""
+    """The decode server of a scenario: the small pool, receive staging off.
+
+    These scenarios check the hooks' own descriptors against sglang's;
+    `test_receive_staging.py` runs decodes with their receive staging on.
+    """
     return sglang_spec(
         name, model, page_size, "decode", "--max-total-tokens", str(POOL_TOKENS),
-        env=_batch_env(batch_pages), python_path=python_path,
+        env={**_batch_env(batch_pages), "GPU_PLANNER_RECEIVE_STAGING_BYTES": "0"},
+        python_path=python_path,
     )  # fmt: skip
 
 

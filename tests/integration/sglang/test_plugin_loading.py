@@ -15,16 +15,37 @@ from sglang_send_scenarios import SESSION
 from gpu_planner.integration.sglang import fallback as sglang_fallback
 from gpu_planner.integration.sglang import plugin as sglang_plugin
 from gpu_planner.integration.sglang.plugin import (
+    CHUNK_READY_TARGET,
+    METADATA_MESSAGE_TARGET,
     PAGES_TARGET,
+    PREFILL_STATUS_TARGET,
+    REGISTRATION_INFO_TARGET,
+    REGISTRATION_MESSAGE_TARGET,
     SEND_TARGET,
     SLICE_TARGET,
     SWA_SLICE_TARGET,
+    TRANSFER_INFO_TARGET,
     WARMUP_TARGET,
 )
 
 PLUGIN_LOGGER = "gpu_planner.integration.sglang.plugin"
 # What registers when the generic send cannot be hooked: everything else, in order.
-HOOKS_BUT_GENERIC_SEND = [SLICE_TARGET, SWA_SLICE_TARGET, PAGES_TARGET, WARMUP_TARGET]
+# Receive staging: the decode's messages and handlers, the prefill's parsers.
+STAGING_TARGETS = [
+    REGISTRATION_MESSAGE_TARGET,
+    METADATA_MESSAGE_TARGET,
+    CHUNK_READY_TARGET,
+    PREFILL_STATUS_TARGET,
+    REGISTRATION_INFO_TARGET,
+    TRANSFER_INFO_TARGET,
+]
+HOOKS_BUT_GENERIC_SEND = [
+    SLICE_TARGET,
+    SWA_SLICE_TARGET,
+    PAGES_TARGET,
+    WARMUP_TARGET,
+    *STAGING_TARGETS,
+]
 
 
 @pytest.fixture
@@ -70,7 +91,7 @@ def test_register_hooks_both_targets(fresh_registry, monkeypatch):
     monkeypatch.delenv("GPU_PLANNER_DISABLE", raising=False)
     sglang_plugin.register()
     assert sorted(fresh_registry._hooks) == sorted(
-        [SEND_TARGET, SLICE_TARGET, SWA_SLICE_TARGET, PAGES_TARGET, WARMUP_TARGET]
+        [SEND_TARGET, SLICE_TARGET, SWA_SLICE_TARGET, PAGES_TARGET, WARMUP_TARGET, *STAGING_TARGETS]
     )
 
 

@@ -20,6 +20,11 @@ this folder on PYTHONPATH; nothing is installed). It does two things:
   suite asserts that this changes the tokens. (Moving pages instead, such as
   reversing the decode page list, would not: attention over a request's KV is
   the same in any slot order, since keys carry their positions from RoPE.)
+- The receive-staging control: when `E2E_CORRUPT_SCATTER_FLAG` names a file, the
+  decode's next scatter of a staged chunk of two or more pages after that file
+  appears leaves its last page out (gpu_planner's `receive_staging` module is
+  patched), and the file is deleted: the staged bytes arrived, one page of them
+  never reaches the KV pool.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ import logging
 import os
 
 CORRUPT_FLAG_ENV = "E2E_CORRUPT_FLAG"
+CORRUPT_SCATTER_FLAG_ENV = "E2E_CORRUPT_SCATTER_FLAG"
 SEND_KVCACHE = "sglang.srt.disaggregation.mooncake.conn.MooncakeKVManager.send_kvcache"
 MODEL_PARALLEL_GROUP = "sglang.srt.distributed.parallel_state.init_model_parallel_group"
 
@@ -46,6 +52,12 @@ def register() -> None:
         HookRegistry.register(MODEL_PARALLEL_GROUP, without_pynccl, HookType.AROUND)
     if os.environ.get(CORRUPT_FLAG_ENV):
         HookRegistry.register(SEND_KVCACHE, corrupt_one_send, HookType.AROUND)
+    if os.environ.get(CORRUPT_SCATTER_FLAG_ENV):
+        from gpu_planner.integration.sglang import receive_staging
+
+        receive_staging.scatter_head_slices = _corrupting_scatter(
+            receive_staging.scatter_head_slices
+        )
 
 
 def without_pynccl(original, *args, **kwargs):
@@ -61,6 +73,19 @@ def corrupt_one_send(original, manager, session, src_pages, dst_ptrs, dst_pages,
         )
         src_pages, dst_pages = src_pages[:-1], dst_pages[:-1]
     return original(manager, session, src_pages, dst_ptrs, dst_pages, *args, **kwargs)
+
+
+def _corrupting_scatter(scatter):
+    """`scatter` leaving out the last page of one chunk once the flag file exists."""
+
+    def scatter_head_slices(layout, dst_pages, *args, dst_device_pages=None, **kwargs):
+        if len(dst_pages) >= 2 and _claim_flag(os.environ[CORRUPT_SCATTER_FLAG_ENV]):
+            logger.warning("e2e scaffolding: one staged page not scattered")
+            dst_pages = dst_pages[:-1]
+            dst_device_pages = None if dst_device_pages is None else dst_device_pages[:-1]
+        return scatter(layout, dst_pages, *args, dst_device_pages=dst_device_pages, **kwargs)
+
+    return scatter_head_slices
 
 
 def _claim_flag(path: str) -> bool:

@@ -1,0 +1,394 @@
+"""Scatter staged head slices into destination pages: the receive side of staging.
+
+The mirror of `gpu_planner.head_gather`: there each staged page is read from
+source page `src_pages[i]`; here staged page `i` (consecutive in the staging
+region, as RDMA landed it) is written into destination page `dst_pages[i]`,
+each token's slice at its destination head offset and nothing else. With a
+higher prefill TP, `writers` prefill ranks send one chunk each and each chunk
+fills its own head range of the same token slots (`scatter_layout`).
+
+Layout (a `HeadSliceLayout`): side 0 is the staged pages, whose `ptrs` are
+byte offsets from the start of `staging`; side 1 is the destination KV
+buffers (absolute addresses). Entry `j`, page position `i`, token slot `t`
+copies `slice_lens[j]` bytes from
+`staging + ptr0[j] + i * page_len0[j] + t * token_len0[j] + head_offset0[j]` to
+`ptr1[j] + P * page_len1[j] + t * token_len1[j] + head_offset1[j]`, where `P`
+is `dst_device_pages[i]` when `dst_is_device[j]`, else `dst_pages[i]`: HiSparse
+decode buffers are host- or device-backed and their page ids differ, and a
+buffer given the other space's pages is silently corrupted. Both spaces take
+one kernel launch.
+
+Safety: every argument is checked before a byte is written, else a
+`PlanValidationError` names the argument, entry and page at fault. Reads
+stay in the staging region, writes in the registered destination buffers
+(`dst_lens`: the largest page's last slice, per page list, ends inside each)
+and in their pages; the bytes read are apart from every destination.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from gpu_planner.cuda_streams import on_torch_device
+from gpu_planner.errors import PlanValidationError
+from gpu_planner.head_gather import (
+    HostRegion,
+    Staging,
+    _address_and_nbytes,
+    _as_staging,
+    _check_layout,
+    _copy_bytes,
+    _largest_page,
+)
+from gpu_planner.head_slices import HeadSliceLayout, PerLayer, per_layer
+from gpu_planner.inputs import (
+    HOST,
+    INT64_MAX,
+    Backend,
+    IndexLike,
+    PageList,
+    as_host_array,
+    as_page_list,
+    as_tensor,
+    check_page_size,
+    check_same_length,
+    is_integer,
+    resolve_backend,
+)
+from gpu_planner.jit import compiled
+from gpu_planner.kernels.launch_config import MAX_GRID_Y
+
+__all__ = ["HostRegion", "compile_kernels", "scatter_head_slices", "scatter_layout"]
+
+_PAGE_LISTS = ("dst_pages", "dst_device_pages")  # by page space: host, device
+
+
+def scatter_layout(
+    dst_ptrs: Sequence[int],
+    dst_page_lens: PerLayer,
+    page_size: int,
+    writers: int = 1,
+    writer: int = 0,
+    staged_base: int = 0,
+    *,
+    num_pages: int,
+) -> HeadSliceLayout:
+    """The layout that scatters writer `writer`'s staged chunk of `num_pages` pages.
+
+    Each of `writers` prefill ranks fills `1 / writers` of every destination
+    token slot (writers = 1: whole pages). Its staged page of entry `j` is
+    `dst_page_lens[j] // writers` bytes of whole slices; entries are
+    buffer-major from `staged_base`, entry `j`'s pages starting after
+    `num_pages` staged pages of each entry before it (as the gather stages).
+
+    Example:
+        >>> layout = scatter_layout([4096, 8192], 64, page_size=2, writers=2, writer=1,
+        ...                         num_pages=3)
+        >>> layout.geometry[0, :, 1].tolist()  # staged: offset, page, token, head offset
+        [96, 32, 16, 0]
+        >>> layout.geometry[1, :, 1].tolist(), layout.slice_lens.tolist()
+        ([8192, 64, 32, 16], [16, 16])
+    """
+    page_size = check_page_size(page_size)
+    for name, value, minimum in (("writers", writers, 1), ("staged_base", staged_base, 0)):
+        if not (is_integer(value) and minimum <= value <= INT64_MAX):
+            raise PlanValidationError(
+                f"{name}: must be an integer in [{minimum}, 2**63), got {value!r}"
+            )
+    if not (is_integer(writer) and 0 <= writer < writers):
+        raise PlanValidationError(
+            f"writer: must be an integer in [0, {writers}) (writers = {writers}), got {writer!r}"
+        )
+    if not (is_integer(num_pages) and 0 <= num_pages <= INT64_MAX):
+        raise PlanValidationError(f"num_pages: must be an integer >= 0, got {num_pages!r}")
+    try:
+        num_entries = len(dst_ptrs)
+    except TypeError:
+        raise PlanValidationError(
+            f"dst_ptrs: expected one address per entry, got {dst_ptrs!r}"
+        ) from None
+    page_lens = per_layer(dst_page_lens, "dst_page_lens", num_entries).tolist()
+    unit = page_size * int(writers)
+    offsets, offset = [], int(staged_base)
+    for entry, page_len in enumerate(page_lens):
+        if page_len % unit:
+            raise PlanValidationError(
+                f"entry {entry}: dst_page_lens[{entry}] = {page_len} is not a multiple of "
+                f"page_size * writers = {page_size} * {writers}"
+            )
+        if offset > INT64_MAX:
+            raise PlanValidationError(
+                f"entry {entry}: its staged pages would start at byte {offset} (staged_base "
+                f"{staged_base} + {num_pages} pages of the entries before it), past 2**63 - 1"
+            )
+        offsets.append(offset)
+        offset += int(num_pages) * (page_len // int(writers))
+    slice_lens = [page_len // unit for page_len in page_lens]
+    return HeadSliceLayout.build(
+        src_ptrs=offsets,
+        dst_ptrs=list(dst_ptrs),
+        page_size=page_size,
+        src_page_lens=[page_len // int(writers) for page_len in page_lens],
+        dst_page_lens=page_lens,
+        src_token_lens=slice_lens,
+        dst_token_lens=[page_len // page_size for page_len in page_lens],
+        src_head_offsets=0,
+        dst_head_offsets=[int(writer) * slice_len for slice_len in slice_lens],
+        slice_lens=slice_lens,
+    )
+
+
+def scatter_head_slices(
+    layout: HeadSliceLayout,
+    dst_pages: IndexLike,
+    staging: Staging,
+    dst_lens: PerLayer,
+    dst_device_pages: IndexLike | None = None,
+    dst_is_device: Sequence[bool] | np.ndarray | None = None,
+    backend: Backend | None = None,
+) -> None:
+    """Write every entry's staged slices into its destination pages, in place.
+
+    Args:
+        layout: side 0 the staged pages (offsets from the start of `staging`),
+            side 1 the destination buffers (`scatter_layout` builds it).
+        dst_pages: int32/int64 [num_pages] host-space destination pages
+            (NumPy or tensor, any stride).
+        staging: the staged bytes: a 1-D contiguous uint8 tensor on the KV's
+            torch device, or, for KV in this process's host memory, a
+            writable 1-D uint8 NumPy array or a `HostRegion`.
+        dst_lens: the registered bytes of each entry's destination buffer
+            from its address (one int for all, or one per entry).
+        dst_device_pages: int32/int64 [num_pages] device-space pages; needed
+            when an entry is device-backed.
+        dst_is_device: per entry, True when its pages are `dst_device_pages`
+            (None: every entry uses `dst_pages`).
+        backend: None picks the Triton kernel for CUDA staging and the
+            compiled CPU loop for host staging; "triton" on the host needs
+            TRITON_INTERPRET=1. As the gather's: the current stream of the
+            staging's device, host page lists up through pinned memory, a
+            device page tensor checked with one read-back.
+
+    Raises:
+        PlanValidationError: naming the argument, entry or page at fault,
+            before anything is written.
+
+    Example:
+        >>> kv = np.zeros(32, dtype=np.uint8)  # 2 pages of 2 token slots of 8 bytes
+        >>> layout = scatter_layout([kv.ctypes.data], 16, page_size=2, writers=2, writer=1,
+        ...                         num_pages=1)
+        >>> staged = np.arange(1, 9, dtype=np.uint8)  # one staged page: 2 slices of 4 bytes
+        >>> scatter_head_slices(layout, np.array([1]), staged, dst_lens=32)
+        >>> kv.reshape(2, 2, 8)[1].tolist()  # page 1: the second half of each slot
+        [[0, 0, 0, 0, 1, 2, 3, 4], [0, 0, 0, 0, 5, 6, 7, 8]]
+    """
+    _check_layout(layout)
+    pages = as_page_list(dst_pages, "dst_pages")
+    on_device = _dst_is_device(dst_is_device, layout.num_layers)
+    device_pages = _device_pages(dst_device_pages, pages, on_device)
+    largest = np.array([_largest_page(pages, "dst_pages"), -1], dtype=object)
+    if device_pages is not None:
+        largest[1] = _largest_page(device_pages, "dst_device_pages")
+    staging = _as_staging(staging)
+    torch_device = staging.device if isinstance(staging, torch.Tensor) else HOST
+    backend = resolve_backend(backend, torch_device)
+    if backend == "cpu" and torch_device != HOST:
+        raise PlanValidationError(
+            f"backend='cpu': the compiled loop needs staging in host memory, got {torch_device}"
+        )
+    if backend == "triton" and layout.num_layers > MAX_GRID_Y:
+        raise PlanValidationError(
+            f"layout: {layout.num_layers} entries in one call; the kernel takes at most "
+            f"{MAX_GRID_Y}"
+        )
+    staging_address, staging_len = _address_and_nbytes(staging)
+    largest_per_entry = largest[on_device.astype(np.intp)]
+    _check_copies(
+        layout, len(pages), largest_per_entry, on_device, staging_address, staging_len, dst_lens
+    )
+    if not len(pages):
+        return
+    entries = _copy_table(layout, on_device)
+    if backend == "cpu":
+        page_rows = np.empty((2, len(pages)), dtype=np.int64)
+        page_rows[0] = as_host_array(pages)
+        page_rows[1] = page_rows[0] if device_pages is None else as_host_array(device_pages)
+        entries[:, 0] += staging_address
+        _scatter_loop(entries, page_rows, layout.page_size)
+        return
+    from gpu_planner.kernels.head_scatter import launch_scatter_head_slices
+
+    if not isinstance(staging, torch.Tensor):
+        staging = torch.from_numpy(staging)
+    device_tensor = None if device_pages is None else as_tensor(device_pages)
+    with on_torch_device(staging.device):
+        launch_scatter_head_slices(
+            staging, as_tensor(pages), device_tensor, entries, layout.page_size
+        )
+
+
+def _dst_is_device(flags: Sequence[bool] | np.ndarray | None, num_entries: int) -> np.ndarray:
+    """bool [entries]: which entries use the device page space (checked: bools or 0/1)."""
+    if flags is None:
+        return np.zeros(num_entries, dtype=bool)
+    if isinstance(flags, torch.Tensor):
+        flags = flags.cpu().numpy()
+    array = np.asarray(flags)
+    if array.ndim != 1 or not (array.dtype == bool or array.dtype.kind in "iu"):
+        raise PlanValidationError(
+            f"dst_is_device: expected one bool per entry, got {array.dtype} of shape {array.shape}"
+        )
+    if len(array) != num_entries:
+        raise PlanValidationError(
+            f"dst_is_device: has {len(array)} values for {num_entries} entries"
+        )
+    not_flags = np.flatnonzero((array != 0) & (array != 1))
+    if not_flags.size:
+        entry = int(not_flags[0])
+        raise PlanValidationError(
+            f"dst_is_device[{entry}] = {array[entry].item()!r}: must be True/False (or 1/0)"
+        )
+    return array.astype(bool)
+
+
+def _device_pages(
+    dst_device_pages: IndexLike | None, pages: PageList, on_device: np.ndarray
+) -> PageList | None:
+    """The validated device-space page list: given whenever an entry uses it, as long as pages."""
+    if dst_device_pages is None:
+        if on_device.any():
+            entry = int(np.flatnonzero(on_device)[0])
+            raise PlanValidationError(
+                f"dst_device_pages: missing, but entry {entry} is device-backed "
+                f"(dst_is_device[{entry}] = True)"
+            )
+        return None
+    device_pages = as_page_list(dst_device_pages, "dst_device_pages")
+    check_same_length(pages, "dst_pages", device_pages, "dst_device_pages")
+    return device_pages
+
+
+def _check_copies(
+    layout: HeadSliceLayout,
+    num_pages: int,
+    largest_pages: np.ndarray,
+    on_device: np.ndarray,
+    staging_address: int,
+    staging_len: int,
+    dst_lens: PerLayer,
+) -> None:
+    """Every read inside the staging region, every write inside its buffer and page.
+
+    `largest_pages`: per entry, the largest page of its list. Python ints
+    (object arrays) over the entries: no sum can overflow.
+    """
+    staged_ptrs, staged_page_lens, staged_token_lens, staged_offsets = layout.geometry[0].astype(
+        object
+    )
+    dst_ptrs, dst_page_lens, dst_token_lens, dst_offsets = layout.geometry[1].astype(object)
+    slice_lens = layout.slice_lens.astype(object)
+    registered = per_layer(dst_lens, "dst_lens", layout.num_layers).astype(object)
+    past_int64 = np.flatnonzero(dst_ptrs + registered > INT64_MAX)
+    if past_int64.size:
+        entry = int(past_int64[0])
+        raise PlanValidationError(
+            f"dst_lens[{entry}] = {registered[entry]}: the destination buffer at "
+            f"{dst_ptrs[entry]} would end past 2**63 - 1"
+        )
+    last_slot = layout.page_size - 1
+    slice_ends = last_slot * dst_token_lens + dst_offsets + slice_lens
+    outside_page = np.flatnonzero(slice_ends > dst_page_lens)
+    if outside_page.size:
+        entry = int(outside_page[0])
+        raise PlanValidationError(
+            f"entry {entry}: the head slice of token slot {last_slot} ends at byte "
+            f"{slice_ends[entry]} of a {dst_page_lens[entry]}-byte destination page "
+            "(dst_token_lens, dst_head_offsets, slice_lens)"
+        )
+    if not num_pages:
+        return
+    read_starts = staged_ptrs + staged_offsets
+    read_ends = read_starts + (num_pages - 1) * staged_page_lens + last_slot * staged_token_lens
+    read_ends += slice_lens
+    outside_staging = np.flatnonzero(read_ends > staging_len)
+    if outside_staging.size:
+        entry = int(outside_staging[0])
+        raise PlanValidationError(
+            f"staging: has {staging_len} bytes but entry {entry} reads up to byte "
+            f"{read_ends[entry]} of it ({num_pages} staged pages of {staged_page_lens[entry]} "
+            f"bytes from byte {staged_ptrs[entry]})"
+        )
+    write_ends = largest_pages * dst_page_lens + slice_ends
+    outside_buffer = np.flatnonzero(write_ends > registered)
+    if outside_buffer.size:
+        entry = int(outside_buffer[0])
+        space = "device" if on_device[entry] else "host"
+        raise PlanValidationError(
+            f"entry {entry}: page {largest_pages[entry]} ({_PAGE_LISTS[int(on_device[entry])]}) "
+            f"writes up to byte {write_ends[entry]} of its destination buffer, but "
+            f"dst_lens[{entry}] = {registered[entry]}; the entry is {space}-backed: is the "
+            f"{space} page space right?"
+        )
+    read_start = staging_address + int(read_starts.min())
+    read_end = staging_address + int(read_ends.max())
+    overlapping = np.flatnonzero(
+        (registered > 0) & (dst_ptrs < read_end) & (dst_ptrs + registered > read_start)
+    )
+    if read_end > read_start and overlapping.size:
+        entry = int(overlapping[0])
+        raise PlanValidationError(
+            f"staging: the {read_end - read_start} bytes read at {read_start} overlap the "
+            f"destination buffer of entry {entry} ({registered[entry]} bytes at "
+            f"{dst_ptrs[entry]})"
+        )
+
+
+def _copy_table(layout: HeadSliceLayout, on_device: np.ndarray) -> np.ndarray:
+    """int64 [entries, 8], the kernel's `entries` in bytes (checked: no sum overflows).
+
+    Columns: offset in the staging of staged page 0's first slice, staged
+    page and token lengths, destination address of page 0's first slice,
+    destination page and token lengths, slice length, page space.
+    """
+    staged_ptrs, staged_page_lens, staged_token_lens, staged_offsets = layout.geometry[0]
+    dst_ptrs, dst_page_lens, dst_token_lens, dst_offsets = layout.geometry[1]
+    return np.stack(
+        [
+            staged_ptrs + staged_offsets,
+            staged_page_lens,
+            staged_token_lens,
+            dst_ptrs + dst_offsets,
+            dst_page_lens,
+            dst_token_lens,
+            layout.slice_lens,
+            on_device.astype(np.int64),
+        ],
+        axis=1,
+    )
+
+
+@compiled
+def _scatter_loop(entries, pages, page_size):
+    """Copy each token's slice; `entries` as the kernel's, with absolute staged bases.
+
+    `pages` [2, num_pages]: the host-space, then the device-space pages.
+    """
+    for entry in range(entries.shape[0]):
+        src_base, src_page_len, src_token_len = entries[entry, :3]
+        dst_base, dst_page_len, dst_token_len, slice_len, space = entries[entry, 3:]
+        space_pages = pages[space]
+        for position in range(pages.shape[1]):
+            src_page = src_base + position * src_page_len
+            dst_page = dst_base + space_pages[position] * dst_page_len
+            for slot in range(page_size):
+                _copy_bytes(
+                    dst_page + slot * dst_token_len, src_page + slot * src_token_len, slice_len
+                )
+
+
+def compile_kernels() -> None:
+    """Compile the CPU loop now (or load it from Numba's cache), so no receive waits for it."""
+    _scatter_loop(np.zeros((1, 8), dtype=np.int64), np.zeros((2, 0), dtype=np.int64), 1)

@@ -1,0 +1,348 @@
+"""Receive staging, prefill side: write a send into the decode's reservation as a few pieces.
+
+A decode with the plugin advertises its receive staging in its KV
+registration and lends each request a part of it in the request's metadata
+(`staging_wire`); the hooks on sglang's parsers of those two messages
+(`KVArgsRegisterInfo.from_zmq`, `TransferInfo.from_zmq`) keep what a
+gpu_planner decode added, checked, and leave sglang's result as it is. A
+plain sglang decode adds nothing, so its sends never take this path.
+
+A generic send whose plan has at least `GPU_PLANNER_STAGING_MIN_DESCRIPTORS`
+descriptors, toward a decode that lent its request a part, is gathered page
+by page of every buffer into the prefill's registered send staging (the
+gathered path's slots), written with one descriptor per slot-sized piece of
+pages into the part, and then named to the decode in a `Staged` note on the
+socket sglang's status messages take (so the note arrives first); the decode
+scatters it into its pages before it counts the request's KV as arrived.
+
+Which request a send belongs to: sglang hands the send a slice of the
+`TransferInfo`'s destination pages; the slice's base array is the one the
+parser hook saw, and its offset is the chunk's first page in the request.
+Anything that does not line up (no part lent, a layout the decode would not
+scatter, no free slot) returns None before any byte moved: the send goes as
+planned, counted.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from gpu_planner import settings
+from gpu_planner.head_slices import HeadSliceLayout
+from gpu_planner.integration.sglang import bounds
+from gpu_planner.integration.sglang.adapter import sglang_handoff
+from gpu_planner.integration.sglang.counters import record_send
+from gpu_planner.integration.sglang.fallback import log_fallback_once
+from gpu_planner.integration.sglang.gathered import Chunk, gather_into_slot, staging_for
+from gpu_planner.integration.sglang.staging_wire import (
+    Capability,
+    Reservation,
+    Staged,
+    chunk_offset,
+    writer_part,
+)
+from gpu_planner.layout import BufferLayout
+
+logger = logging.getLogger("gpu_planner.integration.sglang.plugin")
+
+_peers: dict[str, Capability] = {}  # decode session -> its advertised region
+_routes: dict[int, Route] = {}  # id of a TransferInfo's page array -> its lent part
+_lock = threading.Lock()
+
+
+@dataclass(frozen=True)
+class Route:
+    """Where one request's staged bytes go, and whom to tell."""
+
+    room: int
+    session: str
+    endpoint: str
+    port: int
+    region: Capability
+    reservation: Reservation
+    pages: np.ndarray  # the TransferInfo's destination pages (the send's slices view it)
+
+
+def registration_info_hook(original: Any, cls: Any, msg: Any, *args: Any, **kwargs: Any) -> Any:
+    """sglang's parse of a decode's registration; keeps the receive staging it advertised."""
+    info = original(cls, msg, *args, **kwargs)
+    session = getattr(info, "mooncake_session_id", None)
+    try:
+        capability = Capability.from_registration(msg)
+    except Exception as error:  # malformed or hostile: ignored, the peer sends as today
+        capability = None
+        log_fallback_once(
+            f"a decode's receive-staging advertisement was ignored ({error})",
+            key="staging advertisement ignored",
+        )
+    with _lock:
+        if capability is None:
+            _peers.pop(session, None)
+        else:
+            _peers[session] = capability
+    return info
+
+
+def transfer_info_hook(original: Any, cls: Any, msg: Any, *args: Any, **kwargs: Any) -> Any:
+    """sglang's parse of a request's metadata; keeps the part of the region lent to it."""
+    info = original(cls, msg, *args, **kwargs)
+    try:
+        with _lock:
+            region = _peers.get(info.mooncake_session_id)
+        reservation = None if region is None else Reservation.from_metadata(msg, region)
+        if reservation is None or info.is_dummy:
+            return info
+        pages = info.dst_kv_indices
+        if reservation.pages != len(pages):
+            raise ValueError(f"{reservation.pages} pages lent for {len(pages)} pages")
+        route = Route(
+            info.room, info.mooncake_session_id, info.endpoint, info.dst_port,
+            region, reservation, pages,
+        )  # fmt: skip
+        key = id(pages)
+        with _lock:
+            _routes[key] = route
+        weakref.finalize(pages, _forget_route, key, route)
+    except Exception as error:  # ignored: the request is sent as today
+        log_fallback_once(
+            f"a decode's receive-staging reservation was ignored ({error})",
+            key="staging reservation ignored",
+        )
+    return info
+
+
+def _forget_route(key: int, route: Route) -> None:
+    with _lock:
+        if _routes.get(key) is route:
+            del _routes[key]
+
+
+def route_for(dst_pages: np.ndarray) -> tuple[Route, int] | None:
+    """The request `dst_pages` (a slice of its metadata's pages) belongs to, and its first page."""
+    base = dst_pages.base if isinstance(dst_pages.base, np.ndarray) else dst_pages
+    with _lock:
+        route = _routes.get(id(base))
+    if route is None or route.pages is not base or dst_pages.dtype != base.dtype:
+        return None
+    itemsize = base.dtype.itemsize
+    offset = dst_pages.ctypes.data - base.ctypes.data
+    if dst_pages.strides != (itemsize,) or offset % itemsize:
+        return None
+    return route, offset // itemsize
+
+
+@dataclass(frozen=True)
+class StagedEntries:
+    """The buffers a send moves, as the staging moves them: whole source pages, buffer-major.
+
+    `writer` of `writers` is this prefill rank's share of each decode token
+    (TP-down: its heads, at `writer / writers` of the slot; 1 and 0 otherwise),
+    so every decode page of buffer `j` is `writers * src_page_lens[j]` bytes.
+    """
+
+    src_ptrs: np.ndarray  # int64 [entries]
+    dst_ptrs: np.ndarray  # int64 [entries]: decode buffer base addresses
+    src_page_lens: np.ndarray  # int64 [entries]
+    is_device: np.ndarray  # bool [entries]: the decode buffer takes the device pages
+    writers: int = 1
+    writer: int = 0
+
+    @classmethod
+    def of_plan(cls, layout: BufferLayout, dst_device_ptrs: set[int] | None) -> StagedEntries:
+        """A generic send's planned buffers (HiSparse: sglang's device-backed set)."""
+        is_device = [
+            bool(dst_device_ptrs) and int(ptr) in dst_device_ptrs for ptr in layout.dst_ptrs
+        ]
+        return cls(layout.src_ptrs, layout.dst_ptrs, layout.item_lens, np.array(is_device))
+
+    @classmethod
+    def of_head_slices(cls, layout: HeadSliceLayout) -> StagedEntries | None:
+        """A TP-down head-sliced send, where each prefill token is one share of a decode slot.
+
+        None where the slices are not that (a prefill rank sending part of its
+        heads, or shares that do not tile the decode slot).
+        """
+        (src_ptrs, src_page_lens, src_token_lens, src_offsets) = layout.geometry[0]
+        (dst_ptrs, dst_page_lens, dst_token_lens, dst_offsets) = layout.geometry[1]
+        slices = layout.slice_lens
+        if not slices.size or (slices <= 0).any():
+            return None
+        writers = dst_token_lens // slices
+        whole_source = (src_offsets == 0) & (src_token_lens == slices)
+        tiles = (dst_token_lens == writers * slices) & (dst_offsets % slices == 0)
+        one_share = (writers == writers[0]) & (dst_offsets // slices == dst_offsets[0] // slices[0])
+        pages = dst_page_lens == layout.page_size * dst_token_lens
+        if not (whole_source & tiles & one_share & pages).all() or writers[0] < 2:
+            return None
+        return cls(
+            src_ptrs, dst_ptrs, src_page_lens, np.zeros(len(slices), dtype=bool),
+            int(writers[0]), int(dst_offsets[0] // slices[0]),
+        )  # fmt: skip
+
+
+def send_staged(
+    manager: Any,
+    session: str,
+    src_pages: np.ndarray,
+    dst_pages: np.ndarray,
+    entries: StagedEntries,
+    descriptors: int,
+) -> int | None:
+    """Write a send through the decode's receive staging; None: send it as planned.
+
+    Args:
+        manager: sglang's `MooncakeKVManager` (prefill).
+        session: the decode's Mooncake session.
+        src_pages: the send's prefill pages.
+        dst_pages: sglang's slice of the request's decode (host) pages, as
+            the send got it: its base array says which request it is.
+        entries: the buffers the send moves (`StagedEntries`).
+        descriptors: what the send would otherwise hand Mooncake (the gate).
+
+    Returns:
+        0 or the first failing engine status; None before any byte moved when
+        staging does not apply (counted where the decode had offered it).
+    """
+    if descriptors < settings.loaded(settings.STAGING_MIN_DESCRIPTORS):
+        return None
+    with _lock:
+        offered = session in _peers
+    if not offered or not src_pages.size:
+        return None
+    if dst_pages.size != src_pages.size:
+        return _not_staged("page lists of unequal lengths")
+    started = time.perf_counter()
+    found = route_for(dst_pages)
+    if found is None:
+        return _not_staged("no part of the decode's receive staging lent to this request")
+    route, page_start = found
+    decode = _decode_entries(manager, session, entries)
+    if isinstance(decode, str):
+        return _not_staged(decode)
+    decode_page_bytes, entry_ids = decode
+    num_pages = src_pages.size
+    reservation = route.reservation
+    if (
+        route.session != session
+        or page_start + num_pages > reservation.pages
+        or reservation.nbytes != reservation.pages * decode_page_bytes
+        or decode_page_bytes % entries.writers
+    ):
+        return _not_staged("the lent part does not match this send's pages")
+    staging = staging_for(manager)
+    if isinstance(staging, str):
+        return _not_staged(f"no send staging: {staging}")
+    page_lens = entries.src_page_lens
+    chunk_page_bytes = int(page_lens.sum())
+    pages_per_slot = staging.slot_bytes // chunk_page_bytes
+    if pages_per_slot == 0:
+        return _not_staged(f"a page of every buffer ({chunk_page_bytes} bytes) exceeds a slot")
+    src_lens = bounds.registered_room(manager.kv_args, entries.src_ptrs)
+    if (src_lens < 0).any():
+        return _not_staged("a source buffer outside the prefill's registered memory")
+    gather_layout = HeadSliceLayout.build(
+        src_ptrs=entries.src_ptrs,
+        dst_ptrs=np.zeros_like(entries.src_ptrs),
+        page_size=1,
+        src_page_lens=page_lens,
+        dst_page_lens=page_lens,
+        src_token_lens=page_lens,
+        dst_token_lens=page_lens,
+        src_head_offsets=0,
+        dst_head_offsets=0,
+        slice_lens=page_lens,
+    )  # fmt: skip: whole pages, buffer-major, as the decode scatters them
+    engine_handoff = sglang_handoff(manager.engine)
+    slot = staging.try_take()
+    if slot is None:
+        return _not_staged("every send staging slot is lent to other sends")
+    part, _ = writer_part(reservation.nbytes, entries.writers, entries.writer)
+    base = route.region.address + reservation.offset + part
+    chunks = [
+        (first, min(pages_per_slot, num_pages - first))
+        for first in range(0, num_pages, pages_per_slot)
+    ]
+    try:
+        record_send(
+            "staged", engine_handoff.form, len(chunks), num_pages * chunk_page_bytes,
+            time.perf_counter() - started, len(entry_ids), len(chunks),
+        )  # fmt: skip
+        slot_address = staging.slot(slot).data_ptr()
+        for first, count in chunks:
+            ready = gather_into_slot(
+                staging, slot, gather_layout, Chunk(slice(None), slice(first, first + count)),
+                src_pages, src_lens,
+            )  # fmt: skip
+            if ready is not None:
+                ready.synchronize()  # the gather has written the slot
+            dst = base + chunk_offset(decode_page_bytes, entries.writers, page_start + first)
+            columns = engine_handoff.columns(
+                np.array([slot_address], dtype=np.int64),
+                np.array([dst], dtype=np.int64),
+                np.array([count * chunk_page_bytes], dtype=np.int64),
+            )
+            status = engine_handoff.call(session, *columns)
+            if status != 0:
+                return status
+    finally:
+        staging.give_back(slot)
+    staged = Staged(
+        room=route.room,
+        reservation_id=reservation.reservation_id,
+        writer=entries.writer,
+        writers=entries.writers,
+        entries=np.asarray(entry_ids, dtype=np.int64),
+        is_device=entries.is_device,
+        chunks=np.array([(page_start + first, count) for first, count in chunks], dtype=np.int64),
+    )
+    _notify(manager, route, staged)
+    return 0
+
+
+def _decode_entries(
+    manager: Any, session: str, entries: StagedEntries
+) -> tuple[int, list[int]] | str:
+    """(decode bytes per page over all its buffers, the decode index of each entry)."""
+    decode = getattr(manager, "decode_kv_args_table", {}).get(session)
+    if decode is None:
+        return "the decode's registration is not known"
+    dst_ptrs = [int(ptr) for ptr in decode.dst_kv_ptrs]
+    item_lens = list(decode.dst_kv_item_lens) or [int(decode.dst_kv_item_len)] * len(dst_ptrs)
+    if len(item_lens) != len(dst_ptrs):
+        return "the decode's registration has item lengths for other buffers"
+    index = {ptr: position for position, ptr in enumerate(dst_ptrs)}
+    entry_ids = []
+    pairs = zip(entries.dst_ptrs.tolist(), entries.src_page_lens.tolist(), strict=True)
+    for ptr, page_len in pairs:
+        position = index.get(ptr)
+        if position is None or int(item_lens[position]) != entries.writers * page_len:
+            return "a destination that is not a whole decode KV buffer"
+        entry_ids.append(position)
+    return sum(int(item_len) for item_len in item_lens), entry_ids
+
+
+def _notify(manager: Any, route: Route, staged: Staged) -> None:
+    """Send the note on the socket sglang's status messages to this decode take."""
+    from sglang.srt.utils.network import NetworkAddress
+
+    address = NetworkAddress(route.endpoint, route.port)
+    manager._send_multipart_locked(address.to_tcp(), staged.frames(), is_ipv6=address.is_ipv6)
+
+
+def _not_staged(reason: str) -> None:
+    log_fallback_once(f"a send is not staged: {reason}", key=f"not staged: {reason}")
+    return None
+
+
+def forget_peers() -> None:
+    """Forget every advertised region and lent part (tests)."""
+    with _lock:
+        _peers.clear()
+        _routes.clear()

@@ -1,0 +1,204 @@
+"""Receive staging's wire format: what two gpu_planner peers add to sglang's ZMQ messages.
+
+Three pieces, each tagged and versioned, so that a plain sglang peer never
+sees a frame it reads and a gpu_planner peer never acts on one it does not
+recognise:
+
+- `Capability` (decode -> prefill), appended after the 20 frames of sglang's
+  KV registration (`build_receiver_registration_message`): the tag, then the
+  decode's receive-staging region as `<QQ` (address, bytes). sglang's
+  `KVArgsRegisterInfo.from_zmq` reads frames 0-19 only.
+- `Reservation` (decode -> prefill), appended after the 10 frames of sglang's
+  per-request metadata (`build_receiver_metadata_message`): the tag, then
+  `<QQQQ` (reservation id, offset in the region, bytes, pages). sglang's
+  `TransferInfo.from_zmq` reads frames 0-9 only.
+- `Staged` (prefill -> decode), a message of its own on the ZMQ socket that
+  carries sglang's status messages, sent after the writes it names ended and
+  so before that prefill rank's status: which decode buffers, pages and head
+  slice one prefill rank wrote into the reservation.
+
+Where the bytes go (both peers compute it; the decode never takes an offset
+from the wire): a reservation of `P` pages holds `P * sum(item_lens)` bytes
+(every decode KV buffer's page bytes). With `W` writers (prefill ranks that
+each hold `1/W` of every decode token: TP-down; 1 otherwise) writer `w` owns
+bytes `[w * R/W, (w+1) * R/W)`; its chunk of pages `[a, a+n)` starts `a *
+sum(item_lens)/W` bytes into its part and holds its entries buffer-major,
+each entry's `n` staged pages of `item_lens[e]/W` bytes in page order.
+
+Everything parsed here comes from another process: each parser checks frame
+counts, lengths and ranges and raises `FrameError` naming the field.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+
+import numpy as np
+
+from gpu_planner.inputs import INT64_MAX
+from gpu_planner.integration.sglang.frames import MAX_RANKS, FrameError, parse_int
+
+CAPABILITY_TAG = b"gpu_planner.receive_staging/1"
+RESERVATION_TAG = b"gpu_planner.reservation/1"
+STAGED_TAG = b"gpu_planner.staged/1"
+SGLANG_REGISTRATION_FRAMES = 20  # KVArgsRegisterInfo.from_zmq reads frames 0-19
+SGLANG_METADATA_FRAMES = 10  # TransferInfo.from_zmq reads frames 0-9
+STAGED_FRAMES = 8
+MAX_ENTRIES = 1 << 16  # decode KV buffers: far beyond any model
+
+
+def _tagged_frame(frames: list[bytes], first: int, tag: bytes) -> bytes | None:
+    """The frame after `tag` among `frames[first:]`, None when `tag` is absent.
+
+    `FrameError` when the tag appears twice or has nothing after it.
+    """
+    if not isinstance(frames, list) or not all(isinstance(frame, bytes) for frame in frames):
+        raise FrameError("not a list of bytes frames")
+    positions = [i for i in range(first, len(frames)) if frames[i] == tag]
+    if not positions:
+        return None
+    if len(positions) > 1 or positions[0] + 1 >= len(frames):
+        raise FrameError(f"{tag.decode()}: the tag must appear once, followed by its frame")
+    return frames[positions[0] + 1]
+
+
+def _u64s(frame: bytes, count: int, field: str) -> tuple[int, ...]:
+    if len(frame) != 8 * count:
+        raise FrameError(f"{field}: {len(frame)} bytes, expected {8 * count}")
+    values = struct.unpack(f"<{count}Q", frame)
+    for name_index, value in enumerate(values):
+        if value > INT64_MAX:
+            raise FrameError(f"{field}[{name_index}] = {value}: must be below 2**63")
+    return values
+
+
+@dataclass(frozen=True)
+class Capability:
+    """A decode's receive-staging region, as its registration advertises it."""
+
+    address: int
+    nbytes: int
+
+    def __post_init__(self) -> None:
+        if self.address <= 0 or self.nbytes <= 0 or self.address + self.nbytes > INT64_MAX:
+            raise FrameError(
+                f"receive staging: {self.nbytes} bytes at {self.address} is not a region"
+            )
+
+    def frames(self) -> list[bytes]:
+        """The frames to append to sglang's registration message."""
+        return [CAPABILITY_TAG, struct.pack("<QQ", self.address, self.nbytes)]
+
+    @classmethod
+    def from_registration(cls, frames: list[bytes]) -> Capability | None:
+        """The capability a registration carries; None for a plain sglang decode."""
+        frame = _tagged_frame(frames, SGLANG_REGISTRATION_FRAMES, CAPABILITY_TAG)
+        if frame is None:
+            return None
+        return cls(*_u64s(frame, 2, "receive staging region"))
+
+
+@dataclass(frozen=True)
+class Reservation:
+    """Part of a decode's region lent to one request: `nbytes` at `offset`, for `pages` pages."""
+
+    reservation_id: int
+    offset: int
+    nbytes: int
+    pages: int
+
+    def frames(self) -> list[bytes]:
+        """The frames to append to sglang's per-request metadata message."""
+        values = (self.reservation_id, self.offset, self.nbytes, self.pages)
+        return [RESERVATION_TAG, struct.pack("<4Q", *values)]
+
+    @classmethod
+    def from_metadata(cls, frames: list[bytes], region: Capability) -> Reservation | None:
+        """The reservation a request's metadata carries, checked to lie inside `region`."""
+        frame = _tagged_frame(frames, SGLANG_METADATA_FRAMES, RESERVATION_TAG)
+        if frame is None:
+            return None
+        reservation = cls(*_u64s(frame, 4, "reservation"))
+        if reservation.offset + reservation.nbytes > region.nbytes:
+            raise FrameError(
+                f"reservation {reservation.reservation_id}: {reservation.nbytes} bytes at "
+                f"offset {reservation.offset} end past the {region.nbytes}-byte region"
+            )
+        return reservation
+
+
+def writer_part(reservation_bytes: int, writers: int, writer: int) -> tuple[int, int]:
+    """(offset, bytes) of writer `writer`'s part of a reservation shared by `writers`."""
+    part = reservation_bytes // writers
+    return writer * part, part
+
+
+def chunk_offset(page_bytes: int, writers: int, page_start: int) -> int:
+    """Where a writer's chunk starting at page `page_start` begins in its part.
+
+    `page_bytes` is the decode's bytes per page over all its KV buffers.
+    """
+    return page_start * (page_bytes // writers)
+
+
+@dataclass(frozen=True)
+class Staged:
+    """One prefill rank's note that it wrote `chunks` of its head slice into a reservation.
+
+    `entries` are decode KV buffer indices (into its registered `kv_data_ptrs`)
+    in the order their staged pages lie in each chunk; `is_device[i]` says
+    entry `i` takes the request's device pages (HiSparse), else its host pages;
+    each chunk is (first page, pages) in the request's page positions.
+    """
+
+    room: int
+    reservation_id: int
+    writer: int
+    writers: int
+    entries: np.ndarray  # int64 [entries]
+    is_device: np.ndarray  # bool [entries]
+    chunks: np.ndarray  # int64 [chunks, 2]: page_start, num_pages
+
+    def frames(self) -> list[bytes]:
+        return [
+            STAGED_TAG,
+            str(self.room).encode("ascii"),
+            str(self.reservation_id).encode("ascii"),
+            str(self.writer).encode("ascii"),
+            str(self.writers).encode("ascii"),
+            np.asarray(self.entries, dtype="<u4").tobytes(),
+            np.asarray(self.is_device, dtype=np.uint8).tobytes(),
+            np.asarray(self.chunks, dtype="<u8").tobytes(),
+        ]
+
+    @classmethod
+    def from_frames(cls, frames: list[bytes]) -> Staged:
+        """Parse `frames()` output; `FrameError` names the field at fault."""
+        if not isinstance(frames, list) or len(frames) != STAGED_FRAMES:
+            raise FrameError(f"not a staged message: expected {STAGED_FRAMES} frames")
+        if not all(isinstance(frame, bytes) for frame in frames) or frames[0] != STAGED_TAG:
+            raise FrameError("not a staged message: wrong tag or non-bytes frames")
+        writers = parse_int(frames[4], "writers", 1, MAX_RANKS)
+        entries_frame, device_frame, chunks_frame = frames[5:]
+        if len(entries_frame) % 4 or not entries_frame:
+            raise FrameError(f"entries: {len(entries_frame)} bytes is not whole u32 values")
+        entries = np.frombuffer(entries_frame, dtype="<u4").astype(np.int64)
+        if entries.size > MAX_ENTRIES or np.unique(entries).size != entries.size:
+            raise FrameError("entries: more than 65536, or an entry listed twice")
+        if len(device_frame) != entries.size or set(device_frame) - {0, 1}:
+            raise FrameError("is_device: expected one byte of 0 or 1 per entry")
+        if len(chunks_frame) % 16 or not chunks_frame:
+            raise FrameError(f"chunks: {len(chunks_frame)} bytes is not whole (u64, u64) pairs")
+        chunks = np.frombuffer(chunks_frame, dtype="<u8").reshape(-1, 2)
+        if (chunks > np.uint64(1 << 40)).any():
+            raise FrameError("chunks: a page position or count past 2**40")
+        return cls(
+            room=parse_int(frames[1], "room", 0, 2**64 - 1),
+            reservation_id=parse_int(frames[2], "reservation_id", 0, INT64_MAX),
+            writer=parse_int(frames[3], "writer", 0, writers - 1),
+            writers=writers,
+            entries=entries,
+            is_device=np.frombuffer(device_frame, dtype=np.uint8).astype(bool),
+            chunks=chunks.astype(np.int64),
+        )

@@ -1,0 +1,405 @@
+"""Receive staging through two real Mooncake engines: the bytes sglang's own send lands.
+
+The prefill side is a real `MooncakeKVManager` (`make_manager`) sending with
+sglang's `MooncakeTransferEngine` over TCP on 127.0.0.1; the decode side is a
+real `MooncakeKVManager` holding the state its status handling reads, with a
+registered KV pool and the plugin's receive staging. Messages go between them
+as sglang's parsers and the plugin's hooks see them: the decode's
+registration and request metadata (with the capability and reservation
+frames) through the hooked `from_zmq` parsers, the prefill's staged note
+through the hooked `handle_chunk_ready`, its status through the hooked
+`apply_prefill_status`. After the status, the decode's pool must hold exactly
+what sglang's `_send_kvcache_generic` (unhooked) lands, for MHA and for
+HiSparse's two destination spaces.
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+
+import numpy as np
+import pytest
+import torch
+from sglang_plugin_support import ORIGINALS, conn, hooked_send, make_manager
+from suite_support import set_knob
+
+from gpu_planner import settings
+from gpu_planner.integration.sglang import counters, gathered, receive_staging, staged_send
+from gpu_planner.integration.sglang.frames import KVRegistration, TransferRequest
+from gpu_planner.integration.sglang.staging_wire import STAGED_TAG
+
+POOL_PAGES = 128
+PAGE_SIZE = 4
+KV_POLL_TRANSFERRING, KV_POLL_SUCCESS, KV_POLL_FAILED = 3, 4, 0
+
+
+@pytest.fixture(scope="module")
+def engines():
+    """(prefill engine, decode engine): sglang's Mooncake wrapper, TCP on 127.0.0.1."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from sglang.srt.distributed.device_communicators.mooncake_transfer_engine import (
+            MooncakeTransferEngine,
+        )
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("MOONCAKE_PROTOCOL", "tcp")
+        env.setenv("MC_FORCE_TCP", "1")
+        yield MooncakeTransferEngine("127.0.0.1"), MooncakeTransferEngine("127.0.0.1")
+
+
+class Pool:
+    """KV buffers of POOL_PAGES pages each, in one registered host tensor."""
+
+    def __init__(self, engine, item_lens: list[int], seed: int | None) -> None:
+        self.item_lens = item_lens
+        self.offsets = np.cumsum([0] + [POOL_PAGES * n for n in item_lens]).tolist()
+        if seed is None:
+            data = np.zeros(self.offsets[-1], dtype=np.uint8)
+        else:
+            data = np.random.default_rng(seed).integers(0, 256, self.offsets[-1], dtype=np.uint8)
+        self.tensor = torch.from_numpy(data)
+        self.engine = engine
+        engine.register(self.tensor.data_ptr(), self.offsets[-1])
+
+    @property
+    def ptrs(self) -> list[int]:
+        return [self.tensor.data_ptr() + offset for offset in self.offsets[:-1]]
+
+    @property
+    def lens(self) -> list[int]:
+        return [POOL_PAGES * n for n in self.item_lens]
+
+
+def decode_manager(engine, pool: Pool) -> conn.MooncakeKVManager:
+    """A real decode-side manager with what the staging and the status handling read."""
+    from sglang.srt.disaggregation.base.conn import KVArgs
+    from sglang.srt.disaggregation.utils import DisaggregationMode
+
+    kv_args = KVArgs()
+    kv_args.kv_data_ptrs, kv_args.kv_data_lens = pool.ptrs, pool.lens
+    kv_args.kv_item_lens, kv_args.page_size = pool.item_lens, PAGE_SIZE
+    manager = object.__new__(conn.MooncakeKVManager)
+    manager.kv_args, manager.engine = kv_args, engine
+    manager.disaggregation_mode = DisaggregationMode.DECODE
+    manager.enable_staging = False
+    manager.request_status = {}
+    manager.prefill_response_tracker = {}
+    manager.required_prefill_response_num_table = {}
+    manager.defer_decode_allocation = False
+    manager.deferred_bootstrap = None
+    manager.failure_records, manager.failure_lock = {}, threading.Lock()
+    return manager
+
+
+def fragmented(rng: np.random.Generator, count: int, dtype=np.int32) -> np.ndarray:
+    """`count` distinct pool pages in runs of about two, shuffled."""
+    runs = np.arange(POOL_PAGES).reshape(-1, 2)[rng.permutation(POOL_PAGES // 2)]
+    return runs.reshape(-1)[:count].astype(dtype)
+
+
+class Deployment:
+    """One prefill and one decode manager, connected as sglang connects them."""
+
+    def __init__(self, engines, item_lens: list[int], device_buffers: int, seed: int) -> None:
+        prefill_engine, decode_engine = engines
+        self.source = Pool(prefill_engine, item_lens, seed)
+        self.destination = Pool(decode_engine, item_lens, None)
+        self.decode = decode_manager(decode_engine, self.destination)
+        self.prefill = make_manager(
+            prefill_engine, kv_data_ptrs=self.source.ptrs, kv_data_lens=self.source.lens
+        )
+        self.session = decode_engine.session_id
+        self.device_ptrs = set(self.destination.ptrs[len(item_lens) - device_buffers :])
+        self.notes: list[list[bytes]] = []
+        self.prefill._send_multipart_locked = lambda _, parts, is_ipv6=False: self.notes.append(
+            parts
+        )
+        self.prefill.decode_kv_args_table = {}
+        self._register()
+
+    def _register(self) -> None:
+        frames = KVRegistration(
+            endpoint="127.0.0.1",
+            port=17000,
+            session_id=self.session,
+            ptrs=self.destination.ptrs,
+            item_lens=self.destination.item_lens,
+            lens=self.destination.lens,
+            is_device=[False] * len(self.destination.ptrs),
+        ).to_frames()[:20]
+        info = conn.KVArgsRegisterInfo.from_zmq(self._advertise(frames))
+        self.prefill.decode_kv_args_table[self.session] = info
+
+    def _advertise(self, frames: list[bytes]) -> list[bytes]:
+        """What the hooked registration message adds to sglang's frames on this decode."""
+        return receive_staging.registration_message_hook(lambda _: frames, self.decode)
+
+    def request(self, room: int, host_pages: np.ndarray, device_pages: np.ndarray | None):
+        """The decode's metadata for `room` as the prefill parses it (hooked parsers)."""
+        self.decode.request_status[room] = KV_POLL_TRANSFERRING
+        self.decode.prefill_response_tracker[room] = set()
+        self.decode.required_prefill_response_num_table[room] = 1
+        frames = TransferRequest(
+            room=room,
+            endpoint="127.0.0.1",
+            port=17000,
+            session_id=self.session,
+            host_pages=host_pages,
+            device_pages=device_pages,
+        ).to_frames()
+        frames = receive_staging.metadata_message_hook(
+            lambda _, **kwargs: frames,
+            self.decode,
+            bootstrap_room=room,
+            required_dst_info_num=1,
+            kv_indices=host_pages,
+            aux_index=0,
+            state_indices=None,
+            decode_prefix_len=0,
+            is_dummy=False,
+            device_kv_indices=device_pages,
+        )
+        return conn.TransferInfo.from_zmq(frames)
+
+    def send(self, info, src_pages: np.ndarray, pages: slice) -> int:
+        device = info.dst_device_kv_indices
+        return hooked_send()(
+            self.prefill,
+            mooncake_session_id=self.session,
+            src_data_ptrs=self.source.ptrs,
+            dst_data_ptrs=self.destination.ptrs,
+            item_lens=self.source.item_lens,
+            prefill_data_indices=src_pages[pages],
+            dst_data_indices=info.dst_kv_indices[pages],
+            executor=None,
+            dst_device_data_indices=None if device is None else device[pages],
+            dst_device_data_ptrs=self.device_ptrs or None,
+        )
+
+    def deliver(self, room: int, status: int = KV_POLL_SUCCESS) -> None:
+        """The prefill's notes, then its status, through the decode's hooked handlers."""
+        for note in self.notes:
+            assert conn.MooncakeKVManager.handle_chunk_ready(self.decode, note) is True
+        self.notes.clear()
+        conn.MooncakeKVManager.apply_prefill_status(
+            self.decode, bootstrap_room=room, status=status, prefill_rank=0
+        )
+
+    def sglang_bytes(self, src_pages, host_pages, device_pages) -> np.ndarray:
+        """What sglang's own send lands in a fresh copy of the decode's pool."""
+        reference = Pool(self.destination.engine, self.destination.item_lens, None)
+        status = ORIGINALS["send"](
+            self.prefill,
+            mooncake_session_id=self.session,
+            src_data_ptrs=self.source.ptrs,
+            dst_data_ptrs=reference.ptrs,
+            item_lens=self.source.item_lens,
+            prefill_data_indices=src_pages,
+            dst_data_indices=host_pages,
+            executor=None,
+            dst_device_data_indices=device_pages,
+            dst_device_data_ptrs={
+                reference.ptrs[self.destination.ptrs.index(ptr)] for ptr in self.device_ptrs
+            }
+            or None,
+        )
+        assert status == 0
+        landed = reference.tensor.numpy().copy()
+        reference.engine.deregister(reference.tensor.data_ptr())
+        return landed
+
+    def close(self) -> None:
+        receive_staging.release_region(self.decode)
+        gathered.release_staging(self.prefill)
+        for pool in (self.source, self.destination):
+            pool.engine.deregister(pool.tensor.data_ptr())
+
+
+@pytest.fixture
+def deployments(engines, monkeypatch):
+    set_knob(monkeypatch, settings.STAGING_MIN_DESCRIPTORS.name, "8")
+    set_knob(monkeypatch, settings.RECEIVE_STAGING_BYTES.name, str(4 << 20))
+    set_knob(monkeypatch, settings.GATHER_STAGING_BYTES.name, str(64 << 10))  # 16 KiB slots
+    settings.load()
+    made: list[Deployment] = []
+
+    def make(*args, **kwargs) -> Deployment:
+        made.append(Deployment(engines, *args, **kwargs))
+        return made[-1]
+
+    yield make
+    for deployment in made:
+        deployment.close()
+    staged_send.forget_peers()
+
+
+@pytest.mark.parametrize(
+    ("item_lens", "device_buffers", "chunks"),
+    [
+        ([256] * 16, 0, 1),  # MHA K/V of 8 layers, one chunk
+        ([256] * 16, 0, 3),  # chunked prefill: three sends of one request
+        ([192] * 6 + [64] * 2, 2, 2),  # HiSparse: two device-backed buffers, their own pages
+    ],
+)
+def test_a_staged_send_lands_what_sglangs_send_lands(
+    deployments, item_lens, device_buffers, chunks
+):
+    deployment = deployments(item_lens, device_buffers, seed=len(item_lens) + chunks)
+    rng = np.random.default_rng(chunks)
+    num_pages = 48
+    src_pages = fragmented(rng, num_pages, np.int64)
+    host_pages = fragmented(rng, num_pages)
+    device_pages = fragmented(rng, num_pages) if device_buffers else None
+    expected = deployment.sglang_bytes(src_pages, host_pages, device_pages)
+    before = counters.snapshot()
+    info = deployment.request(7, host_pages, device_pages)
+    cuts = np.linspace(0, num_pages, chunks + 1).astype(int)
+    for first, end in zip(cuts[:-1], cuts[1:], strict=True):
+        assert deployment.send(info, src_pages, slice(first, end)) == 0
+    assert len(deployment.notes) == chunks
+    assert all(note[0] == STAGED_TAG for note in deployment.notes)
+    pieces = sum(len(note[7]) // 16 for note in deployment.notes)  # (page_start, pages) pairs
+    deployment.deliver(7)
+    after = counters.snapshot()
+    assert deployment.decode.request_status[7] == KV_POLL_SUCCESS
+    np.testing.assert_array_equal(deployment.destination.tensor.numpy(), expected)
+    staged = after["sends"].get("staged/arrays", 0) - before["sends"].get("staged/arrays", 0)
+    assert staged == chunks
+    assert after["descriptors"] - before["descriptors"] == pieces  # one per slot-sized piece
+    assert after["staged_scatters"] - before["staged_scatters"] == pieces
+    region = receive_staging.existing_region(deployment.decode)
+    assert region.lent_rooms == 0  # Success gave the part back
+
+
+def test_a_refused_note_fails_the_request_instead_of_landing_partial_kv(deployments):
+    deployment = deployments([256] * 16, 0, seed=3)
+    rng = np.random.default_rng(5)
+    src_pages, host_pages = fragmented(rng, 32, np.int64), fragmented(rng, 32)
+    info = deployment.request(9, host_pages, None)
+    assert deployment.send(info, src_pages, slice(0, 32)) == 0
+    note = deployment.notes[0]
+    note[7] = np.array([[0, 33]], dtype="<u8").tobytes()  # pages past the request's 32
+    deployment.deliver(9)
+    assert deployment.decode.request_status[9] == KV_POLL_FAILED
+    assert "gpu_planner" in deployment.decode.failure_records[9]
+    assert not deployment.destination.tensor.numpy().any()  # nothing scattered
+    region = receive_staging.existing_region(deployment.decode)
+    assert region.lent_rooms == 1  # quarantined: a prefill may still write there
+
+
+def test_a_plain_decode_gets_todays_descriptors(engines, monkeypatch):
+    """No capability advertised (staging off on the decode): the send is planned as before."""
+    set_knob(monkeypatch, settings.RECEIVE_STAGING_BYTES.name, "0")
+    set_knob(monkeypatch, settings.STAGING_MIN_DESCRIPTORS.name, "1")
+    settings.load()
+    deployment = Deployment(engines, [256] * 8, 0, seed=4)
+    try:
+        rng = np.random.default_rng(6)
+        src_pages, host_pages = fragmented(rng, 32, np.int64), fragmented(rng, 32)
+        expected = deployment.sglang_bytes(src_pages, host_pages, None)
+        info = deployment.request(11, host_pages, None)
+        before = counters.snapshot()
+        assert deployment.send(info, src_pages, slice(0, 32)) == 0
+        assert not deployment.notes
+        assert counters.snapshot()["sends"].get("staged/arrays", 0) == before["sends"].get(
+            "staged/arrays", 0
+        )
+        np.testing.assert_array_equal(deployment.destination.tensor.numpy(), expected)
+    finally:
+        deployment.close()
+        staged_send.forget_peers()
+
+
+@pytest.mark.parametrize("order", [(0, 1), (1, 0)])
+def test_two_tp_down_writers_each_land_their_heads_in_every_token_slot(engines, monkeypatch, order):
+    """Prefill TP 2 -> decode TP 1: each prefill rank holds half of every decode token slot."""
+    from gpu_planner.head_slices import HeadSliceLayout
+
+    set_knob(monkeypatch, settings.RECEIVE_STAGING_BYTES.name, str(4 << 20))
+    set_knob(monkeypatch, settings.GATHER_STAGING_BYTES.name, str(64 << 10))
+    settings.load()
+    prefill_engine, decode_engine = engines
+    decode_lens, writers, num_pages = [256] * 8, 2, 40  # K/V of 4 layers, 64-byte tokens
+    destination = Pool(decode_engine, decode_lens, None)
+    decode = decode_manager(decode_engine, destination)
+    notes: list[list[bytes]] = []
+    ranks = []
+    for writer in range(writers):
+        source = Pool(prefill_engine, [n // writers for n in decode_lens], seed=20 + writer)
+        prefill = make_manager(prefill_engine, kv_data_ptrs=source.ptrs, kv_data_lens=source.lens)
+        prefill._send_multipart_locked = lambda _, parts, is_ipv6=False: notes.append(parts)
+        ranks.append((source, prefill))
+    try:
+        registration = KVRegistration(
+            endpoint="127.0.0.1", port=17000, session_id=decode_engine.session_id,
+            ptrs=destination.ptrs, item_lens=decode_lens, lens=destination.lens,
+            is_device=[False] * len(decode_lens),
+        ).to_frames()[:20]  # fmt: skip
+        advertised = receive_staging.registration_message_hook(lambda _: registration, decode)
+        rng = np.random.default_rng(8)
+        host_pages = fragmented(rng, num_pages)
+        src_pages = [fragmented(rng, num_pages, np.int64) for _ in range(writers)]
+        decode.request_status[3] = KV_POLL_TRANSFERRING
+        decode.prefill_response_tracker[3] = set()
+        decode.required_prefill_response_num_table[3] = writers
+        metadata = TransferRequest(
+            room=3, endpoint="127.0.0.1", port=17000, session_id=decode_engine.session_id,
+            host_pages=host_pages,
+        ).to_frames()  # fmt: skip
+        metadata = receive_staging.metadata_message_hook(
+            lambda _, **kwargs: metadata, decode, bootstrap_room=3, required_dst_info_num=1,
+            kv_indices=host_pages, aux_index=0, state_indices=None, decode_prefix_len=0,
+            is_dummy=False,
+        )  # fmt: skip
+        expected = destination.tensor.numpy().copy()
+        token = decode_lens[0] // PAGE_SIZE
+        share = token // writers
+        for writer in order:
+            source, prefill = ranks[writer]
+            prefill.decode_kv_args_table = {
+                decode_engine.session_id: conn.KVArgsRegisterInfo.from_zmq(advertised)
+            }
+            info = conn.TransferInfo.from_zmq(metadata)
+            layout = HeadSliceLayout.build(
+                src_ptrs=source.ptrs, dst_ptrs=destination.ptrs, page_size=PAGE_SIZE,
+                src_page_lens=source.item_lens, dst_page_lens=decode_lens, src_token_lens=share,
+                dst_token_lens=token, src_head_offsets=0, dst_head_offsets=writer * share,
+                slice_lens=share,
+            )  # fmt: skip
+            entries = staged_send.StagedEntries.of_head_slices(layout)
+            assert (entries.writers, entries.writer) == (writers, writer)
+            status = staged_send.send_staged(
+                prefill, decode_engine.session_id, src_pages[writer], info.dst_kv_indices[:],
+                entries, descriptors=10_000,
+            )  # fmt: skip
+            assert status == 0
+            data = source.tensor.numpy()
+            for buffer, (dst_base, src_base) in enumerate(
+                zip(destination.offsets, source.offsets, strict=False)
+            ):
+                if buffer == len(decode_lens):
+                    break
+                for position in range(num_pages):
+                    src_page = (
+                        src_base + int(src_pages[writer][position]) * source.item_lens[buffer]
+                    )
+                    dst_page = dst_base + int(host_pages[position]) * decode_lens[buffer]
+                    for slot in range(PAGE_SIZE):
+                        at = dst_page + slot * token + writer * share
+                        expected[at : at + share] = data[src_page + slot * share :][:share]
+        for note in notes:
+            assert conn.MooncakeKVManager.handle_chunk_ready(decode, note) is True
+        for rank in range(writers):
+            conn.MooncakeKVManager.apply_prefill_status(
+                decode, bootstrap_room=3, status=KV_POLL_SUCCESS, prefill_rank=rank
+            )
+        assert decode.request_status[3] == KV_POLL_SUCCESS
+        np.testing.assert_array_equal(destination.tensor.numpy(), expected)
+    finally:
+        receive_staging.release_region(decode)
+        for source, prefill in ranks:
+            gathered.release_staging(prefill)
+            prefill_engine.deregister(source.tensor.data_ptr())
+        decode_engine.deregister(destination.tensor.data_ptr())
+        staged_send.forget_peers()
