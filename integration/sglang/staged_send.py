@@ -67,7 +67,8 @@ class Route:
     port: int
     region: Capability
     reservation: Reservation
-    pages: np.ndarray  # the TransferInfo's destination pages (the send's slices view it)
+    pages: weakref.ref  # the TransferInfo's destination pages (the send's slices view them):
+    # weak, so that the route ends with sglang's TransferInfo
 
 
 def registration_info_hook(original: Any, cls: Any, msg: Any, *args: Any, **kwargs: Any) -> Any:
@@ -102,14 +103,15 @@ def transfer_info_hook(original: Any, cls: Any, msg: Any, *args: Any, **kwargs: 
         pages = info.dst_kv_indices
         if reservation.pages != len(pages):
             raise ValueError(f"{reservation.pages} pages lent for {len(pages)} pages")
+        pages_ref = weakref.ref(pages)
         route = Route(
             info.room, info.mooncake_session_id, info.endpoint, info.dst_port,
-            region, reservation, pages,
+            region, reservation, pages_ref,
         )  # fmt: skip
         key = id(pages)
         with _lock:
             _routes[key] = route
-        weakref.finalize(pages, _forget_route, key, route)
+        weakref.finalize(pages, _forget_route, key, pages_ref)
     except Exception as error:  # ignored: the request is sent as today
         log_fallback_once(
             f"a decode's receive-staging reservation was ignored ({error})",
@@ -118,9 +120,10 @@ def transfer_info_hook(original: Any, cls: Any, msg: Any, *args: Any, **kwargs: 
     return info
 
 
-def _forget_route(key: int, route: Route) -> None:
+def _forget_route(key: int, pages_ref: weakref.ref) -> None:
     with _lock:
-        if _routes.get(key) is route:
+        route = _routes.get(key)
+        if route is not None and route.pages is pages_ref:
             del _routes[key]
 
 
@@ -129,7 +132,7 @@ def route_for(dst_pages: np.ndarray) -> tuple[Route, int] | None:
     base = dst_pages.base if isinstance(dst_pages.base, np.ndarray) else dst_pages
     with _lock:
         route = _routes.get(id(base))
-    if route is None or route.pages is not base or dst_pages.dtype != base.dtype:
+    if route is None or route.pages() is not base or dst_pages.dtype != base.dtype:
         return None
     itemsize = base.dtype.itemsize
     offset = dst_pages.ctypes.data - base.ctypes.data

@@ -15,6 +15,7 @@ HiSparse's two destination spaces.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import warnings
 
@@ -32,6 +33,7 @@ from gpu_planner.integration.sglang.staging_wire import STAGED_TAG
 POOL_PAGES = 128
 PAGE_SIZE = 4
 KV_POLL_TRANSFERRING, KV_POLL_SUCCESS, KV_POLL_FAILED = 3, 4, 0
+DEAD_SESSION = "127.0.0.1:9"  # nothing listens there: Mooncake's call fails at once
 
 
 @pytest.fixture(scope="module")
@@ -162,11 +164,11 @@ class Deployment:
         )
         return conn.TransferInfo.from_zmq(frames)
 
-    def send(self, info, src_pages: np.ndarray, pages: slice) -> int:
+    def send(self, info, src_pages: np.ndarray, pages: slice, session: str | None = None) -> int:
         device = info.dst_device_kv_indices
         return hooked_send()(
             self.prefill,
-            mooncake_session_id=self.session,
+            mooncake_session_id=session or self.session,
             src_data_ptrs=self.source.ptrs,
             dst_data_ptrs=self.destination.ptrs,
             item_lens=self.source.item_lens,
@@ -403,3 +405,48 @@ def test_two_tp_down_writers_each_land_their_heads_in_every_token_slot(engines, 
             prefill_engine.deregister(source.tensor.data_ptr())
         decode_engine.deregister(destination.tensor.data_ptr())
         staged_send.forget_peers()
+
+
+def test_two_thousand_sends_some_to_a_dead_region_leak_no_slot_part_or_memory(
+    deployments, monkeypatch
+):
+    """Every tenth write goes where the decode no longer has memory (as when it died mid-send):
+    that send fails as sglang's do (-1, its room then Failed), the next ones succeed, and the
+    prefill's slots, the decode's parts and this process's memory stay flat."""
+    import tracemalloc
+
+    monkeypatch.setattr(receive_staging, "QUARANTINE_S", 0.0)
+    deployment = deployments([256] * 8, 0, seed=12)
+    staged_send._peers[DEAD_SESSION] = staged_send._peers[deployment.session]
+    registration = deployment.prefill.decode_kv_args_table[deployment.session]
+    deployment.prefill.decode_kv_args_table[DEAD_SESSION] = registration
+    rng = np.random.default_rng(13)
+    src_pages, host_pages = fragmented(rng, 16, np.int64), fragmented(rng, 16)
+    region = receive_staging.existing_region(deployment.decode)
+    staging = gathered.staging_for(deployment.prefill)
+    tracemalloc.start()
+    try:
+        for room in range(2000):
+            if room == 500:
+                settled = tracemalloc.get_traced_memory()[0]
+            info = deployment.request(room, host_pages, None)
+            dead = room % 10 == 9
+            if dead:  # the decode is gone: its session refuses connections
+                route, _ = staged_send.route_for(info.dst_kv_indices[:])
+                staged_send._routes[id(info.dst_kv_indices)] = dataclasses.replace(
+                    route, session=DEAD_SESSION
+                )
+            status = deployment.send(
+                info, src_pages, slice(0, 16), session=DEAD_SESSION if dead else None
+            )
+            assert status == (-1 if dead else 0), room
+            deployment.deliver(room, KV_POLL_FAILED if dead else KV_POLL_SUCCESS)
+            deployment.decode.request_status.pop(room)  # sglang clears the room
+            assert staging.free_slots == gathered.SLOTS
+        grown = tracemalloc.get_traced_memory()[0] - settled
+    finally:
+        tracemalloc.stop()
+    region.reserve(deployment.decode.request_status, 10**6, host_pages[:0], None)  # a sweep
+    assert region.lent_rooms == 0
+    assert region.free_bytes == region.region.numel()
+    assert grown < 1 << 20, f"{grown} bytes more after 1,500 sends"
