@@ -140,18 +140,7 @@ def gather_head_slices(
     _check_layout(layout)
     pages = as_page_list(src_pages, "src_pages")
     largest_page = _largest_page(pages, "src_pages")
-    staging = _as_staging(staging)
-    torch_device = staging.device if isinstance(staging, torch.Tensor) else HOST
-    backend = resolve_backend(backend, torch_device)
-    if backend == "cpu" and torch_device != HOST:
-        raise PlanValidationError(
-            f"backend='cpu': the compiled loop needs staging in host memory, got {torch_device}"
-        )
-    if backend == "triton" and layout.num_layers > MAX_GRID_Y:
-        raise PlanValidationError(
-            f"layout: {layout.num_layers} entries in one chunk; the kernel takes at most "
-            f"{MAX_GRID_Y}"
-        )
+    staging, backend = staging_and_backend(staging, backend, layout.num_layers)
     staging_address, staging_len = _address_and_nbytes(staging)
     _check_copies(layout, len(pages), largest_page, staging_address, staging_len, src_lens)
     if not len(pages):
@@ -256,6 +245,28 @@ def _check_whole_pages(layout: HeadSliceLayout) -> None:
             f"slot, {layout.page_size} slots in a {int(dst_page_lens[entry])}-byte page): "
             "send it with per-token descriptors"
         )
+
+
+def staging_and_backend(
+    staging: Staging, backend: Backend | None, num_entries: int
+) -> tuple[torch.Tensor | np.ndarray, Backend]:
+    """`staging` as bytes, and the backend that copies through it (gather and scatter alike).
+
+    `PlanValidationError` for the compiled loop on device staging, or more
+    entries than the kernel's grid takes.
+    """
+    staging = _as_staging(staging)
+    torch_device = staging.device if isinstance(staging, torch.Tensor) else HOST
+    backend = resolve_backend(backend, torch_device)
+    if backend == "cpu" and torch_device != HOST:
+        raise PlanValidationError(
+            f"backend='cpu': the compiled loop needs staging in host memory, got {torch_device}"
+        )
+    if backend == "triton" and num_entries > MAX_GRID_Y:
+        raise PlanValidationError(
+            f"layout: {num_entries} entries in one call; the kernel takes at most {MAX_GRID_Y}"
+        )
+    return staging, backend
 
 
 def _largest_page(pages: PageList, name: str) -> int:

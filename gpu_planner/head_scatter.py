@@ -38,14 +38,13 @@ from gpu_planner.head_gather import (
     HostRegion,
     Staging,
     _address_and_nbytes,
-    _as_staging,
     _check_layout,
     _copy_bytes,
     _largest_page,
+    staging_and_backend,
 )
 from gpu_planner.head_slices import HeadSliceLayout, PerLayer, per_layer
 from gpu_planner.inputs import (
-    HOST,
     INT64_MAX,
     Backend,
     IndexLike,
@@ -56,10 +55,8 @@ from gpu_planner.inputs import (
     check_page_size,
     check_same_length,
     is_integer,
-    resolve_backend,
 )
 from gpu_planner.jit import compiled
-from gpu_planner.kernels.launch_config import MAX_GRID_Y
 
 __all__ = ["HostRegion", "compile_kernels", "scatter_head_slices", "scatter_layout"]
 
@@ -192,18 +189,7 @@ def scatter_head_slices(
     largest = np.array([_largest_page(pages, "dst_pages"), -1], dtype=object)
     if device_pages is not None:
         largest[1] = _largest_page(device_pages, "dst_device_pages")
-    staging = _as_staging(staging)
-    torch_device = staging.device if isinstance(staging, torch.Tensor) else HOST
-    backend = resolve_backend(backend, torch_device)
-    if backend == "cpu" and torch_device != HOST:
-        raise PlanValidationError(
-            f"backend='cpu': the compiled loop needs staging in host memory, got {torch_device}"
-        )
-    if backend == "triton" and layout.num_layers > MAX_GRID_Y:
-        raise PlanValidationError(
-            f"layout: {layout.num_layers} entries in one call; the kernel takes at most "
-            f"{MAX_GRID_Y}"
-        )
+    staging, backend = staging_and_backend(staging, backend, layout.num_layers)
     staging_address, staging_len = _address_and_nbytes(staging)
     largest_per_entry = largest[on_device.astype(np.intp)]
     _check_copies(

@@ -24,6 +24,10 @@ MIXED_PROMPTS = prompt_set(seed=1, lengths=MIXED_LENGTHS, shared_prefix=96)
 CONTROL_PROMPT = prompt_set(seed=2, lengths=(700,))[0]
 ALL_PROMPTS = (*MIXED_PROMPTS, CONTROL_PROMPT)
 CONCURRENCY = 8
+# The receive-staging modules' prompts (a 16-layer model is slower): mixed lengths with
+# shared prefixes, and a control prompt for the skipped-scatter check.
+STAGING_CONTROL_PROMPT = prompt_set(seed=4, lengths=(400,))[0]
+STAGING_PROMPTS = (*MIXED_PROMPTS[:12], STAGING_CONTROL_PROMPT)
 
 POOL_TOKENS = 2048  # --max-total-tokens: a few of the longest prompts fill it
 CHUNKED_PREFILL_TOKENS = 256  # prompts above it reach decode in several transfers

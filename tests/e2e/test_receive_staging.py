@@ -1,22 +1,18 @@
 """Receive staging in real sglang servers: a 16-layer model, page 16, fragmented pools.
 
-One decode server with the plugin (its receive staging on) and four prefill
-servers sending to it, plus a plain decode:
+A decode server with the plugin (its receive staging on) and two prefill
+servers sending to it:
 
 - `staged-prefill` (plugin, staging gate at 1 descriptor): fragmented sends
-  of 32 KV buffers go gathered into the decode's region and are scattered
-  there: the tokens must equal a plain server's and `/metrics` must show
-  staged sends (prefill) and scatters (decode).
-- `plain-prefill` (`GPU_PLANNER_DISABLE=1`) to the plugin decode, and
-  `staged-prefill-2` (plugin) to a plain decode (`GPU_PLANNER_DISABLE=1`):
-  mixed deployments, today's protocol, identical tokens, no staged send.
-- `tp2-prefill` (plugin, TP 2 -> decode TP 1): each prefill rank holds one of
-  the two KV heads, a share of every decode token slot; staged, the tokens
-  must equal a plain server's.
+  of 32 KV buffers are gathered into the decode's region and scattered there:
+  the tokens must equal a plain server's, and `/metrics` must show staged
+  sends (prefill) and scatters (decode), no chunk refused.
+- `plain-prefill` (`GPU_PLANNER_DISABLE=1`) to the plugin decode: a mixed
+  deployment, today's protocol, identical tokens, nothing staged.
 
 The corruption control leaves one staged page out of one scatter on the
 decode (test scaffolding): the tokens must change, and the next request is
-right again.
+right again. TP-down and a plain decode: `test_receive_staging_tp_down.py`.
 """
 
 from __future__ import annotations
@@ -27,130 +23,98 @@ from pathlib import Path
 import pytest
 
 from tests.e2e.e2e_checks import assert_same_tokens
-from tests.e2e.e2e_client import (
-    Generation,
-    generate,
-    generate_all,
-    generate_pd,
-    prompt_set,
-    server_metrics,
+from tests.e2e.e2e_client import Generation, generate_all, generate_pd, server_metrics
+from tests.e2e.e2e_scenarios import (
+    CONCURRENCY,
+    POOL_TOKENS,
+    STAGING_CONTROL_PROMPT,
+    STAGING_PROMPTS,
+    prefill_spec,
 )
-from tests.e2e.e2e_model import write_tiny_llama
-from tests.e2e.e2e_scenarios import CONCURRENCY, MIXED_PROMPTS, POOL_TOKENS, prefill_spec
 from tests.e2e.e2e_servers import Server, servers_running, sglang_spec
 from tests.e2e.scaffolding.e2e_sglang_scaffolding import CORRUPT_SCATTER_FLAG_ENV
 
 pytestmark = pytest.mark.e2e
 
 PAGE_SIZE = 16
-LAYERS = 16
 BATCH_PAGES = 1024  # sglang's default: staging, not batch cuts, is what this module checks
-PROMPTS = MIXED_PROMPTS[:16]  # 5 to 600 tokens, shared prefixes: a 16-layer model is slower
-TP2_PROMPTS = MIXED_PROMPTS[:8]  # TP 2 on two cores is slower still
-CONTROL_PROMPT = prompt_set(seed=4, lengths=(400,))[0]
+PROMPTS = STAGING_PROMPTS[:-1]  # 12 mixed prompts (5 to 333 tokens); the last is the control
 STAGED = {"GPU_PLANNER_STAGING_MIN_DESCRIPTORS": "1"}
-OFF = {"GPU_PLANNER_DISABLE": "1"}
+
+
+def staged_sends(url: str) -> float:
+    """`gpu_planner:sends_total{hook=staged}` on a server's /metrics."""
+    return sum(value for key, value in server_metrics(url).items() if "hook=staged" in key)
 
 
 @dataclasses.dataclass
 class Deployment:
-    servers: dict[str, Server]
+    decode: Server
+    staged: Server
+    plain: Server
     corrupt_flag: Path  # create it to corrupt the decode's next scatter
 
-    def send(self, prefill: str, prompts, decode: str = "decode") -> list[Generation]:
-        source, sink = self.servers[prefill], self.servers[decode]
-
+    def send(self, prefill: Server, prompts) -> list[Generation]:
         def one(ids):
-            return generate_pd(source.url, source.bootstrap_port, sink.url, ids)
+            return generate_pd(prefill.url, prefill.bootstrap_port, self.decode.url, ids)
 
         return generate_all(one, prompts, CONCURRENCY)
 
 
 @pytest.fixture(scope="module")
-def layered_model(tmp_path_factory) -> Path:
-    return write_tiny_llama(tmp_path_factory.mktemp("tiny-llama-16"), seed=1, layers=LAYERS)
-
-
-@pytest.fixture(scope="module")
-def deployment(layered_model, server_logs, tmp_path_factory):
+def deployment(layered_model, layered_reference_tokens, server_logs, tmp_path_factory):
     flag = tmp_path_factory.mktemp("scatter-control") / "corrupt-next-scatter"
-    pool = ("--max-total-tokens", str(POOL_TOKENS))
     specs = [
-        sglang_spec("plain", layered_model, PAGE_SIZE, "plain", "--max-total-tokens", "4096"),
         sglang_spec(
-            "decode", layered_model, PAGE_SIZE, "decode", *pool,
-            env={CORRUPT_SCATTER_FLAG_ENV: str(flag)},
+            "staging-decode", layered_model, PAGE_SIZE, "decode",
+            "--max-total-tokens", str(POOL_TOKENS), env={CORRUPT_SCATTER_FLAG_ENV: str(flag)},
         ),
-        sglang_spec("plain-decode", layered_model, PAGE_SIZE, "decode", *pool, env=OFF),
         prefill_spec("staged-prefill", layered_model, PAGE_SIZE, BATCH_PAGES, STAGED),
-        prefill_spec("staged-prefill-2", layered_model, PAGE_SIZE, BATCH_PAGES, STAGED),
-        prefill_spec("plain-prefill", layered_model, PAGE_SIZE, BATCH_PAGES, OFF),
-        sglang_spec(
-            "tp2-prefill", layered_model, PAGE_SIZE, "prefill", *pool, "--tp-size", "2",
-            env={**STAGED, "SGLANG_CPU_OMP_THREADS_BIND": "0|1"},
+        prefill_spec(
+            "plain-prefill", layered_model, PAGE_SIZE, BATCH_PAGES, {"GPU_PLANNER_DISABLE": "1"}
         ),
     ]  # fmt: skip
     with servers_running(specs, server_logs) as servers:
-        yield Deployment(servers, flag)
+        yield Deployment(
+            servers["staging-decode"], servers["staged-prefill"], servers["plain-prefill"], flag
+        )
 
 
 @pytest.fixture(scope="module")
-def reference(deployment) -> dict[tuple[int, ...], tuple[int, ...]]:
-    url = deployment.servers["plain"].url
-    prompts = [*PROMPTS, CONTROL_PROMPT]
-    generations = generate_all(lambda ids: generate(url, ids), prompts, CONCURRENCY)
-    return {tuple(p): g.output_ids for p, g in zip(prompts, generations, strict=True)}
-
-
-@pytest.fixture(scope="module")
-def generations(deployment, reference) -> dict[str, list[Generation]]:
+def generations(deployment) -> dict[str, list[Generation]]:
     return {
-        "staged": deployment.send("staged-prefill", PROMPTS),
-        "plain prefill": deployment.send("plain-prefill", PROMPTS),
-        "plain decode": deployment.send("staged-prefill-2", PROMPTS, decode="plain-decode"),
-        "tp2": deployment.send("tp2-prefill", TP2_PROMPTS),
+        "staged": deployment.send(deployment.staged, PROMPTS),
+        "plain prefill": deployment.send(deployment.plain, PROMPTS),
     }
 
 
-def staged_sends(url: str) -> float:
-    metrics = server_metrics(url)
-    return sum(value for key, value in metrics.items() if "hook=staged" in key)
-
-
-def test_staged_tokens_equal_a_plain_servers(generations, reference):
-    assert_same_tokens("staged", PROMPTS, generations["staged"], reference)
+def test_staged_tokens_equal_a_plain_servers(generations, layered_reference_tokens):
+    assert_same_tokens("staged", PROMPTS, generations["staged"], layered_reference_tokens)
 
 
 def test_staged_sends_and_scatters_are_counted(deployment, generations):
-    prefill = server_metrics(deployment.servers["staged-prefill"].url)
-    staged = sum(value for key, value in prefill.items() if "hook=staged" in key)
-    assert staged >= len(PROMPTS), prefill
-    decode = server_metrics(deployment.servers["decode"].url)
+    staged = staged_sends(deployment.staged.url)
+    assert staged >= len(PROMPTS)
+    decode = server_metrics(deployment.decode.url)
     assert decode["gpu_planner:staged_scatters_total"] >= staged, decode
-    refused = [key for key in decode if key.startswith("gpu_planner:receive_staging_fallbacks")]
-    assert not [key for key in refused if "refused" in key], decode
+    assert not [key for key in decode if "refused" in key], decode
 
 
-def test_mixed_deployments_keep_todays_protocol(deployment, generations, reference):
-    assert_same_tokens("plain prefill", PROMPTS, generations["plain prefill"], reference)
-    assert_same_tokens("plain decode", PROMPTS, generations["plain decode"], reference)
-    assert server_metrics(deployment.servers["plain-prefill"].url) == {}
-    assert staged_sends(deployment.servers["staged-prefill-2"].url) == 0
-    assert server_metrics(deployment.servers["plain-decode"].url) == {}
+def test_a_plain_prefill_to_a_staging_decode_keeps_todays_protocol(
+    deployment, generations, layered_reference_tokens
+):
+    tokens = generations["plain prefill"]
+    assert_same_tokens("plain prefill", PROMPTS, tokens, layered_reference_tokens)
+    assert server_metrics(deployment.plain.url) == {}
 
 
-def test_tp_down_staged_tokens_equal_a_plain_servers(deployment, generations, reference):
-    assert_same_tokens("TP 2 -> 1", TP2_PROMPTS, generations["tp2"], reference)
-    assert staged_sends(deployment.servers["tp2-prefill"].url) >= len(TP2_PROMPTS)
-
-
-def test_a_skipped_scatter_changes_the_tokens(deployment, generations, reference):
+def test_a_skipped_scatter_changes_the_tokens(deployment, generations, layered_reference_tokens):
     """The control: one staged page never scattered, other tokens; the next request is right."""
-    expected = reference[tuple(CONTROL_PROMPT)]
+    expected = layered_reference_tokens[tuple(STAGING_CONTROL_PROMPT)]
     deployment.corrupt_flag.touch()
-    [corrupted] = deployment.send("staged-prefill", [CONTROL_PROMPT])
+    [corrupted] = deployment.send(deployment.staged, [STAGING_CONTROL_PROMPT])
     assert not deployment.corrupt_flag.exists(), "the scaffolding did not take the flag"
     assert corrupted.output_ids[0] == expected[0]  # the prefill's own token
     assert corrupted.output_ids[1:] != expected[1:]
-    [clean] = deployment.send("staged-prefill", [CONTROL_PROMPT])
+    [clean] = deployment.send(deployment.staged, [STAGING_CONTROL_PROMPT])
     assert clean.output_ids == expected

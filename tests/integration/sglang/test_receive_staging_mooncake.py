@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-import warnings
 
 import numpy as np
 import pytest
@@ -34,20 +33,6 @@ POOL_PAGES = 128
 PAGE_SIZE = 4
 KV_POLL_TRANSFERRING, KV_POLL_SUCCESS, KV_POLL_FAILED = 3, 4, 0
 DEAD_SESSION = "127.0.0.1:9"  # nothing listens there: Mooncake's call fails at once
-
-
-@pytest.fixture(scope="module")
-def engines():
-    """(prefill engine, decode engine): sglang's Mooncake wrapper, TCP on 127.0.0.1."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        from sglang.srt.distributed.device_communicators.mooncake_transfer_engine import (
-            MooncakeTransferEngine,
-        )
-    with pytest.MonkeyPatch.context() as env:
-        env.setenv("MOONCAKE_PROTOCOL", "tcp")
-        env.setenv("MC_FORCE_TCP", "1")
-        yield MooncakeTransferEngine("127.0.0.1"), MooncakeTransferEngine("127.0.0.1")
 
 
 class Pool:

@@ -10,7 +10,6 @@ page lists alone, and every other byte must be untouched.
 from __future__ import annotations
 
 import concurrent.futures
-import warnings
 
 import numpy as np
 import pytest
@@ -19,20 +18,6 @@ from sglang_plugin_support import hooked_send, make_manager
 
 POOL_PAGES = 256
 NUM_PAGES = 60
-
-
-@pytest.fixture(scope="module")
-def engines():
-    """(prefill engine, decode engine): sglang's Mooncake wrapper, TCP on 127.0.0.1."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        from sglang.srt.distributed.device_communicators.mooncake_transfer_engine import (
-            MooncakeTransferEngine,
-        )
-    with pytest.MonkeyPatch.context() as env:
-        env.setenv("MOONCAKE_PROTOCOL", "tcp")
-        env.setenv("MC_FORCE_TCP", "1")
-        yield MooncakeTransferEngine("127.0.0.1"), MooncakeTransferEngine("127.0.0.1")
 
 
 class KVPool:
