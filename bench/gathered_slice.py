@@ -12,13 +12,26 @@ source buffers of random bytes, shuffled pages:
   one arrays call per buffer, one after another), `gathered` (the hook:
   gather into registered staging, one call per chunk of buffers);
 - TP4 -> TP2 (prefill rank 1 -> decode rank 0), where each decode slot is
-  written by two prefill ranks: `sglang`, `per_token` (the hook) and `pages`
-  (one Mooncake 0.3.14 `batch_transfer_sync_write_pages` call holding every
-  buffer's tokens), the alternative the hook's per-layer calls are held to.
+  written by two prefill ranks: `sglang`, `per_token` (the hook toward a
+  decode that offered no receive staging), `pages` (one Mooncake 0.3.14
+  `batch_transfer_sync_write_pages` call holding every buffer's tokens), the
+  alternative the hook's per-layer calls are held to, and `staged` (the
+  hooked `send_kvcache_slice` toward a decode that advertised receive
+  staging, a second part of the peer's registered region, and lent the
+  request a part, parsed by the plugin's hooked parsers: this rank's heads,
+  one of two shares of each decode slot, gathered page by page of every
+  buffer into the send staging and written with one descriptor per
+  slot-sized piece). `scatter` times, on this machine, what the decode then
+  does (`bench.staged_send.DecodeScatter`: the note's chunks scattered into
+  host buffers of the decode's sizes); `staged_with_scatter_s` is the sum of
+  the two medians.
 
 Per variant: wall time (`bench.harness`), GIL holds and waits (`bench.gil`,
 through `bench.send_path.measure_sends`), descriptors and bytes handed to
-Mooncake. Run: `python -m bench.gathered_slice [--tokens 4096 32768]`;
+Mooncake. With `--verify`, each variant first sends once into cleared peer
+memory, read back (staged: its staging scattered here), which must hold the
+source slices in the decode's slots and nothing else (`landed_as_expected`).
+Run: `python -m bench.gathered_slice [--tokens 4096 32768] [--verify]`;
 prints JSON. Needs Mooncake 0.3.14.
 """
 
@@ -37,12 +50,35 @@ import numpy as np
 from bench.harness import RepeatPolicy
 from bench.live_submit import live_peer
 from bench.send_path import measure_sends
+from bench.staged_send import (
+    DecodeScatter,
+    PeerMemory,
+    counted,
+    expected_pool,
+    offer_receive_staging,
+    offered,
+)
 from gpu_planner import settings
 from gpu_planner.integration.mooncake.engine import QUIET_ENV, TCP_ONLY_ENV, set_mooncake_defaults
 
 KV_HEADS, HEAD_BYTES, PAGE_SIZE = 8, 128 * 2, 64
+SPARE_PAGES = 16
 EXECUTOR_THREADS = 3
 DIRECTIONS = {"tp2_to_tp4": (2, 0, 4, 1), "tp4_to_tp2": (4, 1, 2, 0)}  # src tp, rank, dst tp, rank
+STAGED_DIRECTIONS = ("tp4_to_tp2",)  # TP-down: each prefill rank writes a share of every slot
+
+
+def peer_layout(direction: str, layers: int, num_tokens: int) -> tuple[int, int]:
+    """(bytes of the peer's registered memory, where the receive staging starts in it).
+
+    The decode's KV pool (every K/V buffer's pages) comes first; the receive
+    staging holds one request's pages of every buffer.
+    """
+    buffers, num_pages = 2 * layers, num_tokens // PAGE_SIZE
+    dst_item_len = PAGE_SIZE * KV_HEADS // DIRECTIONS[direction][2] * HEAD_BYTES
+    region = buffers * (num_pages + SPARE_PAGES) * dst_item_len
+    full_heads = buffers * (num_pages + SPARE_PAGES) * PAGE_SIZE * KV_HEADS * HEAD_BYTES
+    return max(full_heads, region + buffers * num_pages * dst_item_len), region
 
 
 class GatheredSliceBench:
@@ -67,7 +103,8 @@ class GatheredSliceBench:
         self.src_item_len = PAGE_SIZE * src_heads * HEAD_BYTES
         self.dst_item_len = PAGE_SIZE * dst_heads * HEAD_BYTES
         self.num_pages = num_tokens // PAGE_SIZE
-        pool_pages = self.num_pages + 16
+        pool_pages = self.num_pages + SPARE_PAGES
+        self.pool_pages = pool_pages
         buffers = 2 * layers
         rng = np.random.default_rng(0)
         self.sources = [
@@ -106,32 +143,108 @@ class GatheredSliceBench:
         os.environ.pop("GPU_PLANNER_GATHER_STAGING_BYTES")
         settings.load()
         self.executor = concurrent.futures.ThreadPoolExecutor(EXECUTOR_THREADS)
+        self.peer_address = peer_address
+        self.offer = self.scatter = None
+        if direction in STAGED_DIRECTIONS:
+            self._offer_receive_staging(direction, layers, num_tokens)
 
-    def _send(self, send: Callable, manager: Any) -> int:
+    def _offer_receive_staging(self, direction: str, layers: int, num_tokens: int) -> None:
+        """The decode (the live peer) advertises receive staging after its KV pool and lends
+        the request a part; the staged send goes from the manager with send staging."""
+        buffers = len(self.sources)
+        _, region = peer_layout(direction, layers, num_tokens)
+        manager = self.managers["gathered"]  # the send staging the staged path gathers into
+        self.offer = offer_receive_staging(
+            manager,
+            self.session,
+            (
+                self.dst_ptrs,
+                [self.dst_item_len] * buffers,
+                [self.pool_pages * self.dst_item_len] * buffers,
+            ),
+            (self.peer_address + region, self.num_pages * buffers * self.dst_item_len),
+            self.dst_pages,
+            tp=(self.dst_rank, self.dst_tp),
+        )
+        self.staged_dst_pages = self.offer.info.dst_kv_indices[: self.num_pages]
+        self.scatter = DecodeScatter(
+            [self.dst_item_len] * buffers, self.pool_pages, PAGE_SIZE, self.dst_pages
+        )
+
+        def keep_note(_endpoint: str, frames: list[bytes], is_ipv6: bool = False) -> None:
+            from gpu_planner.integration.sglang.staging_wire import Staged
+
+            self.scatter.note = Staged.from_frames(frames)  # instead of ZMQ to the decode
+
+        manager._send_multipart_locked = keep_note
+
+    def _send(self, send: Callable, manager: Any, dst_pages: np.ndarray | None = None) -> int:
         return send(
             manager,
             self.session,
             self.src_pages,
             self.dst_ptrs,
-            self.dst_pages,
+            self.dst_pages if dst_pages is None else dst_pages,
             self.dst_rank,
             self.dst_tp,
             self.dst_item_len,
             self.executor,
         )
 
+    def _hooked_send(self, manager: Any, staged: bool = False) -> int:
+        """The hooked send; toward a decode offering receive staging when `staged`."""
+        if not staged:
+            with offered(self.session, None):
+                return self._send(self._hooked, manager)
+        with offered(self.session, self.offer.capability):
+            return self._send(self._hooked, manager, self.staged_dst_pages)
+
     def variants(self, direction: str) -> dict[str, Callable[[], int]]:
         per_token = self.managers["per_token"]
         variants = {
             "sglang": lambda: self._send(self._original, per_token),
-            "per_token": lambda: self._send(self._hooked, per_token),
+            "per_token": lambda: self._hooked_send(per_token),
         }
         if direction == "tp2_to_tp4":
             gathered = self.managers["gathered"]
-            variants["gathered"] = lambda: self._send(self._hooked, gathered)
+            variants["gathered"] = lambda: self._hooked_send(gathered)
         else:
             variants["pages"] = self._pages_call()
+        if self.offer is not None:
+            staging = self.managers["gathered"]
+            variants["staged"] = lambda: self._hooked_send(staging, staged=True)
         return variants
+
+    def verify(self, variants: dict[str, Callable[[], int]]) -> dict[str, bool]:
+        """Each variant once into cleared peer memory: the decode's slots hold the slices."""
+        buffers = len(self.sources)
+        pool_bytes = buffers * self.pool_pages * self.dst_item_len
+        expected = expected_pool(
+            self.sources, self.pool_pages, self.src_pages, self.dst_pages,
+            (self.src_item_len // PAGE_SIZE, self.dst_item_len // PAGE_SIZE),
+            (self.src_head_offset, self.dst_head_offset), self.slice_len, PAGE_SIZE,
+        )  # fmt: skip
+        staging = 0 if self.offer is None else self.offer.reservation.nbytes
+        peer = PeerMemory(self.wrapper, self.session, self.peer_address, pool_bytes + staging)
+        landed = {}
+        try:
+            for name, send in variants.items():
+                peer.clear()
+                status = send()
+                pool = peer.read(0, pool_bytes)
+                if name == "staged":
+                    region = self.offer.capability.address - self.peer_address
+                    if pool.any():  # a staged send writes the staging region only
+                        landed[name] = False
+                        continue
+                    self.scatter.staging[:] = peer.read(region, staging)
+                    self.scatter.pool[:] = 0
+                    self.scatter()
+                    pool = self.scatter.pool
+                landed[name] = status == 0 and np.array_equal(pool, expected)
+        finally:
+            peer.close()
+        return landed
 
     def _pages_call(self) -> Callable[[], int]:
         """One `batch_transfer_sync_write_pages` call: token slots as pages, a field per buffer."""
@@ -158,8 +271,10 @@ class GatheredSliceBench:
         )
 
     def counts(self, name: str) -> dict[str, int]:
-        """Descriptors and bytes the variant hands to Mooncake."""
+        """Descriptors and bytes the variant hands to Mooncake (staged: counted in `measure`)."""
         buffers, tokens = len(self.sources), self.num_pages * PAGE_SIZE
+        if name == "staged":
+            return {}
         if name != "gathered":
             return {"descriptors": buffers * tokens, "bytes": buffers * tokens * self.slice_len}
         from gpu_planner.reference import group_runs
@@ -178,21 +293,49 @@ class GatheredSliceBench:
         }
 
 
-def measure(direction: str, layers: int, num_tokens: int, budget_s: float) -> dict[str, Any]:
-    peer_bytes = 2 * layers * (num_tokens // PAGE_SIZE + 16) * PAGE_SIZE * KV_HEADS * HEAD_BYTES
+def measure(
+    direction: str, layers: int, num_tokens: int, budget_s: float, verify: bool = False
+) -> dict[str, Any]:
+    from gpu_planner.integration.sglang import staged_send
+
+    peer_bytes, _ = peer_layout(direction, layers, num_tokens)
     with live_peer(peer_bytes) as peer:
-        bench = GatheredSliceBench(direction, layers, num_tokens, peer)
-        variants = bench.variants(direction)
-        statuses = {name: send() for name, send in variants.items()}
-        if any(statuses.values()):
-            raise RuntimeError(f"statuses {statuses}: every send to the live peer must succeed")
-        policy = RepeatPolicy(budget_s=budget_s, min_repeats=2, max_repeats=20)
-        figures = measure_sends(variants, policy)
+        try:
+            bench = GatheredSliceBench(direction, layers, num_tokens, peer)
+            variants = bench.variants(direction)
+            landed = bench.verify(variants) if verify else None
+            sent = {name: counted(send) for name, send in variants.items()}
+            statuses = {name: figures["status"] for name, figures in sent.items()}
+            if any(statuses.values()):
+                raise RuntimeError(f"statuses {statuses}: every send to the live peer must succeed")
+            stages: dict[str, Callable[[], Any]] = dict(variants)
+            if bench.scatter is not None:
+                stages["scatter"] = bench.scatter
+            policy = RepeatPolicy(budget_s=budget_s, min_repeats=2, max_repeats=20)
+            figures = measure_sends(stages, policy)
+        finally:
+            staged_send.forget_peers()
     for name in variants:
         figures[name].update(bench.counts(name))
+    if "staged" in variants:
+        note = bench.scatter.note
+        figures["staged"].update(
+            descriptors=sent["staged"]["descriptors"],
+            bytes=sent["staged"]["bytes"],
+            sends=sent["staged"]["sends"],
+            chunks=len(note.chunks),
+            writers=note.writers,
+            writer=note.writer,
+        )
+        with_scatter = figures["staged"]["median"] + figures["scatter"]["median"]
+        figures["staged_with_scatter_s"] = with_scatter
+        figures["sglang/staged_with_scatter"] = figures["sglang"]["median"] / with_scatter
+        figures["per_token/staged_with_scatter"] = figures["per_token"]["median"] / with_scatter
     figures["speedup_vs_sglang"] = {
         name: figures["sglang"]["median"] / figures[name]["median"] for name in variants
     }
+    if landed is not None:
+        figures["landed_as_expected"] = landed
     return figures
 
 
@@ -204,11 +347,13 @@ def main() -> None:
     )
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--budget-s", type=float, default=10.0, help="per variant and size")
+    parser.add_argument("--verify", action="store_true", help="check what lands, first")
     args = parser.parse_args()
     os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
     results = {
         direction: {
-            tokens: measure(direction, args.layers, tokens, args.budget_s) for tokens in args.tokens
+            tokens: measure(direction, args.layers, tokens, args.budget_s, args.verify)
+            for tokens in args.tokens
         }
         for direction in args.directions
     }

@@ -183,10 +183,18 @@ class ReceiveRegion:
 
     # Decode thread: what prefills wrote, and their statuses.
 
-    def on_staged(self, staged: Staged) -> None:
-        """Scatter the chunks `staged` names, or remember why its room must fail."""
+    def on_staged(self, staged: Staged, request_status: dict) -> None:
+        """Scatter the chunks `staged` names, or remember why its room must fail.
+
+        A room sglang no longer tracks (cleared, or failed) gets no scatter: its
+        pages may already hold another request's KV.
+        """
         with self._lock:
             lent = self._rooms.get(staged.room)
+            if lent is not None and request_status.get(staged.room) in (None, KV_POLL_FAILED):
+                if lent.quarantined_until is None:
+                    lent.quarantined_until = time.monotonic() + QUARANTINE_S
+                return
         if lent is None or lent.quarantined_until is not None:
             return  # the room was never lent, or ended: nothing counts it as arrived
         try:
@@ -412,7 +420,7 @@ def chunk_ready_hook(original: Any, manager: Any, msg: Any, *args: Any, **kwargs
     try:
         region = existing_region(manager)
         if region is not None:
-            region.on_staged(Staged.from_frames(msg))
+            region.on_staged(Staged.from_frames(msg), manager.request_status)
     except Exception as error:  # a malformed note names no room it could fail: drop it
         log_fallback_once(f"a malformed staged note was dropped ({error})", key="staged malformed")
     return True

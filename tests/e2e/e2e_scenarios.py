@@ -42,7 +42,7 @@ def decode_spec(
     """The decode server of a scenario: the small pool, receive staging off.
 
     These scenarios check the hooks' own descriptors against sglang's;
-    `test_receive_staging.py` runs decodes with their receive staging on.
+    `test_staging_servers*.py` run decodes with their receive staging on.
     """
     return sglang_spec(
         name, model, page_size, "decode", "--max-total-tokens", str(POOL_TOKENS),

@@ -33,7 +33,7 @@ import requests
 
 LOCALHOST = "127.0.0.1"
 SCAFFOLDING = Path(__file__).resolve().parent / "scaffolding"
-START_TIMEOUT_S = 240.0  # start-up takes 30-75 s alone; several servers share 2 cores
+START_TIMEOUT_S = 480.0  # 30-75 s alone; several servers (a TP 2 one: 4 processes) share 2 cores
 START_ATTEMPTS = 3
 STOP_GRACE_S = 5.0  # sglang exits within a second or two of SIGTERM when idle
 

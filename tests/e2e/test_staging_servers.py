@@ -12,7 +12,7 @@ servers sending to it:
 
 The corruption control leaves one staged page out of one scatter on the
 decode (test scaffolding): the tokens must change, and the next request is
-right again. TP-down and a plain decode: `test_receive_staging_tp_down.py`.
+right again. TP-down and a plain decode: `test_staging_servers_tp_down.py`.
 """
 
 from __future__ import annotations

@@ -1,0 +1,46 @@
+"""The receive-staging benchmarks at tiny sizes, against a live peer engine in another process.
+
+Every variant runs; each lands exactly the source pages (slices) in the
+peer's KV buffers, read back (the staged ones once their staging is
+scattered here); the staged sends hand Mooncake the same bytes in fewer
+descriptors. No timing is asserted: speed is what the benchmarks report.
+"""
+
+from __future__ import annotations
+
+from bench import gathered_slice, staged_send
+
+
+def test_the_staged_generic_send_lands_the_same_bytes_in_fewer_descriptors():
+    result = staged_send.measure(num_pages=8, buffers=3, budget_s=0.0, verify=True)
+
+    figures = result["figures"]
+    assert result["landed_as_expected"] == {"sglang": True, "hook": True, "staged": True}
+    for name in (*staged_send.VARIANTS, "scatter", "wire"):
+        assert figures[name]["repeats"] >= 2, name
+    assert figures["sglang"]["sends"] == {}  # sglang's own send: the plugin counts nothing
+    assert figures["hook"]["sends"] == {"generic/arrays": 1}
+    assert figures["staged"]["sends"] == {"staged/arrays": 1}
+    nbytes = 8 * 3 * staged_send.ITEM_LEN
+    assert [figures[name]["bytes"] for name in staged_send.VARIANTS] == [nbytes] * 3
+    assert figures["hook"]["descriptors"] == figures["sglang"]["descriptors"] == 3 * 4  # runs of 2
+    assert figures["staged"]["descriptors"] == figures["staged"]["chunks"] == 1
+    assert result["staged_with_scatter_s"] > result["staged_wall_s"] > 0
+    assert result["ratios"]["hook/staged_with_scatter"] > 0
+
+
+def test_the_staged_tp_down_slice_send_writes_one_share_of_each_slot_in_fewer_descriptors():
+    figures = gathered_slice.measure(
+        "tp4_to_tp2", layers=1, num_tokens=128, budget_s=0.0, verify=True
+    )
+
+    variants = ("sglang", "per_token", "pages", "staged")
+    assert figures["landed_as_expected"] == dict.fromkeys(variants, True)
+    staged = figures["staged"]
+    assert staged["sends"] == {"staged/arrays": 1}
+    assert (staged["writers"], staged["writer"]) == (2, 1)  # prefill rank 1 of 4, decode TP 2
+    assert staged["bytes"] == figures["sglang"]["bytes"] == figures["per_token"]["bytes"]
+    assert staged["descriptors"] == staged["chunks"] == 1
+    assert figures["per_token"]["descriptors"] == 2 * 128  # K and V, one per token
+    assert figures["scatter"]["repeats"] >= 2
+    assert figures["sglang/staged_with_scatter"] > 0

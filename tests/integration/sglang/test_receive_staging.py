@@ -1,0 +1,996 @@
+"""Receive staging's decode side and the prefill's parser hooks, unit by unit.
+
+The decode side is a real `MooncakeKVManager` (built with `object.__new__`,
+holding what the staging and the status handling read) over a host KV pool,
+with a fake engine wrapper that records `register`/`deregister`. The hooks
+are called as sglang's HookRegistry calls them: `(original, manager, ...)`,
+with an `original` that stands for sglang's own function. Staged bytes are
+written into the region by the test, as a prefill's RDMA would, and the KV
+pool is compared with a plain-Python reference of the layout the wire
+format's docstring describes.
+"""
+
+from __future__ import annotations
+
+import gc
+import inspect
+import threading
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given
+from hypothesis import settings as hypothesis_settings
+from hypothesis import strategies as st
+from sglang_plugin_support import conn
+from suite_support import set_knob
+
+from gpu_planner import settings
+from gpu_planner.cuda_runtime import cuda_runtime
+from gpu_planner.integration.sglang import counters, receive_staging, staged_send
+from gpu_planner.integration.sglang.frames import KVRegistration, TransferRequest
+from gpu_planner.integration.sglang.staging_wire import (
+    STAGED_TAG,
+    Capability,
+    Reservation,
+    Staged,
+)
+
+PAGE_SIZE = 4
+POOL_PAGES = 32
+ITEM_LENS = [64, 64, 32, 32]  # 16 and 8 bytes per token: two writers share 8 and 4 bytes
+PAGE_BYTES = sum(ITEM_LENS)
+REGION_BYTES = 64 << 10
+ALIGNMENT = receive_staging.ALIGNMENT
+KV_POLL_TRANSFERRING, KV_POLL_SUCCESS, KV_POLL_FAILED = 3, 4, 0
+SESSION = "127.0.0.1:16001"
+
+
+class FakeEngine:
+    """sglang's engine wrapper as the staging uses it: records every call."""
+
+    def __init__(self, fail_register: Exception | None = None) -> None:
+        self.calls: list[tuple] = []
+        self.fail_register = fail_register
+
+    def register(self, ptr: int, length: int) -> None:
+        self.calls.append(("register", ptr, length))
+        if self.fail_register is not None:
+            raise self.fail_register
+
+    def deregister(self, ptr: int) -> None:
+        self.calls.append(("deregister", ptr))
+
+
+class Pool:
+    """KV buffers of POOL_PAGES pages each, in one host tensor of random bytes."""
+
+    def __init__(self, item_lens: list[int], seed: int) -> None:
+        self.item_lens = list(item_lens)
+        self.offsets = np.cumsum([0] + [POOL_PAGES * n for n in item_lens]).tolist()
+        data = np.random.default_rng(seed).integers(0, 256, self.offsets[-1], dtype=np.uint8)
+        self.tensor = torch.from_numpy(data)
+
+    @property
+    def ptrs(self) -> list[int]:
+        return [self.tensor.data_ptr() + offset for offset in self.offsets[:-1]]
+
+    @property
+    def lens(self) -> list[int]:
+        return [POOL_PAGES * n for n in self.item_lens]
+
+    def bytes(self) -> np.ndarray:
+        return self.tensor.numpy().copy()
+
+
+def decode_manager(engine, pool: Pool, mode: str = "DECODE") -> conn.MooncakeKVManager:
+    """A real decode-side manager with what the staging and the status handling read."""
+    from sglang.srt.disaggregation.base.conn import KVArgs
+    from sglang.srt.disaggregation.utils import DisaggregationMode
+
+    kv_args = KVArgs()
+    kv_args.kv_data_ptrs, kv_args.kv_data_lens = pool.ptrs, pool.lens
+    kv_args.kv_item_lens, kv_args.page_size = pool.item_lens, PAGE_SIZE
+    manager = object.__new__(conn.MooncakeKVManager)
+    manager.kv_args, manager.engine = kv_args, engine
+    manager.disaggregation_mode = DisaggregationMode[mode]
+    manager.enable_staging = False
+    manager.request_status = {}
+    manager.prefill_response_tracker = {}
+    manager.required_prefill_response_num_table = {}
+    manager.defer_decode_allocation = False
+    manager.deferred_bootstrap = None
+    manager.failure_records, manager.failure_lock = {}, threading.Lock()
+    return manager
+
+
+def registration_frames(pool: Pool) -> list[bytes]:
+    return KVRegistration(
+        endpoint="127.0.0.1",
+        port=17000,
+        session_id=SESSION,
+        ptrs=pool.ptrs,
+        item_lens=pool.item_lens,
+        lens=pool.lens,
+        is_device=[False] * len(pool.ptrs),
+    ).to_frames()[:20]
+
+
+class Decode:
+    """One decode manager and the hooked calls sglang makes on it."""
+
+    def __init__(self, item_lens=ITEM_LENS, engine=None, seed=0, mode="DECODE") -> None:
+        self.engine = FakeEngine() if engine is None else engine
+        self.pool = Pool(item_lens, seed)
+        self.manager = decode_manager(self.engine, self.pool, mode)
+
+    @property
+    def region(self) -> receive_staging.ReceiveRegion | None:
+        return receive_staging.existing_region(self.manager)
+
+    def advertise(self) -> tuple[list[bytes], list[bytes]]:
+        """(sglang's registration frames, what the hooked builder returns)."""
+        frames = registration_frames(self.pool)
+        return frames, receive_staging.registration_message_hook(lambda _: frames, self.manager)
+
+    def request(self, room, host_pages, device_pages=None, is_dummy=False):
+        """(sglang's metadata frames, what the hooked builder returns) for a live room."""
+        if room not in self.manager.request_status:
+            self.manager.request_status[room] = KV_POLL_TRANSFERRING
+        frames = TransferRequest(
+            room=room,
+            endpoint="127.0.0.1",
+            port=17000,
+            session_id=SESSION,
+            host_pages=np.asarray(host_pages),
+            device_pages=None if device_pages is None else np.asarray(device_pages),
+        ).to_frames()
+        hooked = receive_staging.metadata_message_hook(
+            lambda _, **kwargs: frames,
+            self.manager,
+            bootstrap_room=room,
+            required_dst_info_num=1,
+            kv_indices=np.asarray(host_pages, dtype=np.int32),
+            aux_index=0,
+            state_indices=None,
+            decode_prefix_len=0,
+            is_dummy=is_dummy,
+            device_kv_indices=None
+            if device_pages is None
+            else np.asarray(device_pages, dtype=np.int32),
+        )
+        return frames, hooked
+
+    def reserve(self, room, host_pages, device_pages=None) -> Reservation | None:
+        _, hooked = self.request(room, host_pages, device_pages)
+        return Reservation.from_metadata(hooked, self.region.capability)
+
+    def note(self, frames: list[bytes]):
+        def original(manager, msg):
+            raise AssertionError(f"sglang's handle_chunk_ready got a staged note: {msg[:1]}")
+
+        return receive_staging.chunk_ready_hook(original, self.manager, frames)
+
+    def status(self, room, status, prefill_rank=0, log=None, applied=None) -> list[dict]:
+        """A prefill rank's status through the hooked handler; what sglang's own got.
+
+        sglang's handler (the `original`) sets the room's status to the one it
+        got, or to `applied` (a Success before the room's last rank: Transferring).
+        """
+        calls: list[dict] = []
+
+        def original(manager, **kwargs):
+            if log is not None:
+                log.append("original")
+            calls.append(kwargs)
+            if kwargs["bootstrap_room"] in manager.request_status:  # sglang drops cleared rooms
+                new = kwargs["status"] if applied is None else applied
+                manager.request_status[kwargs["bootstrap_room"]] = new
+
+        receive_staging.prefill_status_hook(
+            original, self.manager, bootstrap_room=room, status=status, prefill_rank=prefill_rank
+        )
+        return calls
+
+
+@pytest.fixture
+def staging_bytes(monkeypatch):
+    """Set the receive staging's size for the test (default REGION_BYTES)."""
+
+    def set_bytes(nbytes: int) -> None:
+        set_knob(monkeypatch, settings.RECEIVE_STAGING_BYTES.name, str(nbytes))
+        settings.load()
+
+    set_bytes(REGION_BYTES)
+    return set_bytes
+
+
+@pytest.fixture
+def decodes(staging_bytes):
+    made: list[Decode] = []
+
+    def make(*args, **kwargs) -> Decode:
+        made.append(Decode(*args, **kwargs))
+        return made[-1]
+
+    yield make
+    for decode in made:
+        receive_staging.release_region(decode.manager)
+    staged_send.forget_peers()
+
+
+@pytest.fixture
+def clock(monkeypatch):
+    """The staging's monotonic clock, moved by the test."""
+    now = SimpleNamespace(value=1000.0)
+    monkeypatch.setattr(
+        receive_staging, "time", SimpleNamespace(monotonic=lambda: now.value)
+    )  # the staging's own `time` only: the rest of the process keeps the real clock
+    return now
+
+
+def aligned(nbytes: int) -> int:
+    return -(-nbytes // ALIGNMENT) * ALIGNMENT
+
+
+def distinct_pages(seed: int, count: int) -> np.ndarray:
+    return np.random.default_rng(seed).permutation(POOL_PAGES)[:count].astype(np.int32)
+
+
+def fill_region(region: receive_staging.ReceiveRegion, seed: int) -> np.ndarray:
+    """Random bytes in the whole region (what a prefill wrote, and whatever else): a copy."""
+    data = np.random.default_rng(seed).integers(0, 256, region.region.numel(), dtype=np.uint8)
+    region.region.copy_(torch.from_numpy(data))
+    return data
+
+
+def note(room, reservation, chunks, entries=(0, 1, 2, 3), is_device=None, writers=1, writer=0,
+         reservation_id=None) -> list[bytes]:  # fmt: skip
+    entries = np.asarray(entries, dtype=np.int64)
+    return Staged(
+        room=room,
+        reservation_id=reservation.reservation_id if reservation_id is None else reservation_id,
+        writer=writer,
+        writers=writers,
+        entries=entries,
+        is_device=np.zeros(entries.size, bool) if is_device is None else np.asarray(is_device),
+        chunks=np.asarray(chunks, dtype=np.int64).reshape(-1, 2),
+    ).frames()
+
+
+def reference(pool: Pool, kv: np.ndarray, region: np.ndarray, reservation, frames, host_pages,
+              device_pages=None) -> np.ndarray:  # fmt: skip
+    """`kv` after the note `frames` scattered, from the wire format's docstring, byte by byte."""
+    staged = Staged.from_frames(frames)
+    kv = kv.copy()
+    writers, writer = staged.writers, staged.writer
+    item_lens = pool.item_lens
+    part = writer * (reservation.nbytes // writers)  # writer w owns [w R/W, (w+1) R/W)
+    for first, count in staged.chunks.tolist():
+        position = reservation.offset + part + first * sum(item_lens) // writers
+        for entry, buffer in enumerate(staged.entries.tolist()):
+            item_len = item_lens[buffer]
+            token_len = item_len // PAGE_SIZE
+            share = token_len // writers
+            pages = device_pages if staged.is_device[entry] else host_pages
+            for i in range(count):
+                page = int(pages[first + i])
+                for token in range(PAGE_SIZE):
+                    source = position + i * (item_len // writers) + token * share
+                    target = pool.offsets[buffer] + page * item_len + token * token_len
+                    target += writer * share
+                    kv[target : target + share] = region[source : source + share]
+            position += count * (item_len // writers)
+    return kv
+
+
+def receive_fallbacks(reason: str) -> int:
+    return counters.snapshot()["receive_staging_fallbacks"].get(reason, 0)
+
+
+# region_for
+
+
+def test_the_region_is_registered_once_and_advertised(decodes, staging_bytes):
+    staging_bytes(REGION_BYTES + 100)  # rounded down to whole 256-byte parts
+    decode = decodes()
+    frames, first = decode.advertise()
+    _, second = decode.advertise()
+    region = decode.region
+    assert region is receive_staging.region_for(decode.manager)
+    assert region.region.numel() == REGION_BYTES and region.region.dtype == torch.uint8
+    address = region.region.data_ptr()
+    assert decode.engine.calls == [("register", address, REGION_BYTES)]
+    assert first[: len(frames)] == frames and second == first
+    assert Capability.from_registration(first) == Capability(address, REGION_BYTES)
+    assert region.free_bytes == REGION_BYTES and region.lent_rooms == 0
+    receive_staging.release_region(decode.manager)
+    assert decode.engine.calls[-1] == ("deregister", address)
+    assert decode.region is None
+
+
+@pytest.mark.parametrize("nbytes", [0, ALIGNMENT - 1])
+def test_staging_off_or_too_small_gives_no_region_and_sglangs_frames(
+    decodes, staging_bytes, nbytes
+):
+    staging_bytes(nbytes)
+    decode = decodes()
+    frames, hooked = decode.advertise()
+    assert hooked is frames
+    assert receive_staging.region_for(decode.manager) is None
+    assert decode.engine.calls == []
+    sglang_frames, metadata = decode.request(5, distinct_pages(0, 4))
+    assert metadata is sglang_frames
+
+
+def test_sglangs_own_staging_gets_no_region(decodes):
+    decode = decodes()
+    decode.manager.enable_staging = True
+    frames, hooked = decode.advertise()
+    assert hooked is frames and decode.region is None and decode.engine.calls == []
+
+
+def test_a_prefill_manager_gets_no_region(decodes):
+    decode = decodes(mode="PREFILL")
+    frames, hooked = decode.advertise()
+    assert hooked is frames and decode.region is None and decode.engine.calls == []
+
+
+@pytest.mark.parametrize("error", [RuntimeError("CUDA out of memory"), MemoryError()])
+def test_a_region_that_cannot_be_allocated_is_none(decodes, monkeypatch, error):
+    def fail(nbytes, torch_device):
+        raise error
+
+    monkeypatch.setattr(cuda_runtime(), "empty_bytes", fail)
+    decode = decodes()
+    frames, hooked = decode.advertise()
+    assert hooked is frames
+    assert receive_staging.region_for(decode.manager) is None
+    assert decode.engine.calls == []
+
+
+def test_a_region_the_engine_cannot_register_is_none(decodes):
+    decode = decodes(engine=FakeEngine(RuntimeError("Mooncake memory registration failed")))
+    frames, hooked = decode.advertise()
+    assert hooked is frames and decode.region is None
+    assert [call[0] for call in decode.engine.calls] == ["register"]
+    frames, again = decode.advertise()  # remembered: not tried again
+    assert again is frames and len(decode.engine.calls) == 1
+
+
+def test_an_unexpected_error_leaves_the_registration_hook_as_sglangs_frames(decodes, monkeypatch):
+    def fail(nbytes, torch_device):
+        raise TypeError("a bug")
+
+    monkeypatch.setattr(cuda_runtime(), "empty_bytes", fail)
+    decode = decodes()
+    frames, hooked = decode.advertise()  # no exception leaves the hook
+    assert hooked is frames and decode.region is None
+
+
+# Reservations
+
+
+def test_the_same_room_asked_twice_gets_the_same_part(decodes):
+    decode = decodes()
+    decode.advertise()
+    pages = distinct_pages(1, 5)
+    first = decode.reserve(7, pages)
+    assert first == decode.reserve(7, pages)
+    assert (first.pages, first.nbytes, first.offset) == (5, 5 * PAGE_BYTES, 0)
+    other = decode.reserve(8, distinct_pages(2, 3))
+    assert other.reservation_id != first.reservation_id
+    assert other.offset >= first.offset + aligned(first.nbytes)
+    assert decode.region.lent_rooms == 2
+    assert decode.region.free_bytes == REGION_BYTES - aligned(first.nbytes) - aligned(other.nbytes)
+    _, changed = decode.request(7, distinct_pages(1, 6))  # the same room, other pages: nothing
+    assert Reservation.from_metadata(changed, decode.region.capability) is None
+
+
+def test_a_request_too_large_goes_as_today_and_is_counted(decodes):
+    decode = decodes()
+    decode.advertise()
+    before = receive_fallbacks("receive staging full")
+    pages = np.arange(REGION_BYTES // PAGE_BYTES + 1) % POOL_PAGES
+    frames, hooked = decode.request(3, pages)
+    assert hooked is frames
+    assert receive_fallbacks("receive staging full") == before + 1
+    assert decode.region.lent_rooms == 0 and decode.region.free_bytes == REGION_BYTES
+
+
+def test_max_reservations_reached_goes_as_today_and_is_counted(decodes, staging_bytes):
+    staging_bytes(2 * REGION_BYTES)  # bytes to spare: only the count of rooms is at its limit
+    decode = decodes()
+    decode.advertise()
+    for room in range(receive_staging.MAX_RESERVATIONS):
+        assert decode.reserve(room, [room % POOL_PAGES]) is not None
+    before = receive_fallbacks("receive staging full")
+    frames, hooked = decode.request(10_000, [0])
+    assert hooked is frames
+    assert receive_fallbacks("receive staging full") == before + 1
+    assert decode.region.lent_rooms == receive_staging.MAX_RESERVATIONS
+    free = 2 * REGION_BYTES - receive_staging.MAX_RESERVATIONS * ALIGNMENT
+    assert decode.region.free_bytes == free > 0
+
+
+def test_dummy_requests_get_nothing(decodes):
+    decode = decodes()
+    decode.advertise()
+    before = receive_fallbacks("receive staging full")
+    frames, hooked = decode.request(4, distinct_pages(0, 4), is_dummy=True)
+    assert hooked is frames
+    assert decode.region.lent_rooms == 0 and receive_fallbacks("receive staging full") == before
+
+
+def test_no_region_advertised_lends_nothing(decodes):
+    decode = decodes()
+    frames, hooked = decode.request(4, distinct_pages(0, 4))  # never advertised: no region made
+    assert hooked is frames and decode.region is None
+
+
+class Model:
+    """What the region must hold after each operation, predicted from the rules alone."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.lent: dict[int, tuple[Reservation, float | None]] = {}  # room: (part, quarantined)
+
+    def parts(self) -> list[tuple[int, int]]:
+        return sorted((r.offset, aligned(r.nbytes)) for r, _ in self.lent.values())
+
+    def first_fit(self, nbytes: int) -> int | None:
+        start = 0
+        for offset, size in self.parts() + [(self.size, 0)]:
+            if offset - start >= nbytes:
+                return start
+            start = offset + size
+        return None
+
+    def sweep(self, status: dict, now: float) -> None:
+        for room, (reservation, since) in list(self.lent.items()):
+            if since is None and status.get(room) in (None, KV_POLL_FAILED):
+                since = now
+                self.lent[room] = (reservation, since)
+            if since is not None and since + receive_staging.QUARANTINE_S <= now:
+                del self.lent[room]
+
+
+KINDS = ["reserve"] * 3 + ["success", "fail", "clear", "tick", "wait out"]
+operations = st.lists(  # (kind, slot, pages): a slot holds one live room at a time
+    st.tuples(st.sampled_from(KINDS), st.integers(0, 3), st.integers(1, 12)),
+    min_size=10,
+    max_size=40,
+)
+
+
+@hypothesis_settings(max_examples=60, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(steps=operations)
+def test_parts_of_live_rooms_never_overlap_and_all_bytes_are_accounted(staging_bytes, clock, steps):
+    staging_bytes(8192)  # 32 parts of 256 bytes; requests of up to 12 pages of 192 bytes
+    clock.value = 1000.0
+    decode = Decode()
+    try:
+        decode.advertise()
+        region, model = decode.region, Model(8192)
+        status = decode.manager.request_status
+        rooms, fresh = {}, iter(range(100, 1000))  # slot: its live room id
+        for step in steps:
+            kind, argument = step[0], step[1]
+            if kind in ("tick", "wait out"):
+                clock.value += 1.0 if kind == "tick" else receive_staging.QUARANTINE_S
+            elif kind == "reserve":
+                if argument not in rooms:
+                    rooms[argument] = next(fresh)
+                room = rooms[argument]
+                pages = np.arange(step[2]) % POOL_PAGES
+                model.sweep(status, clock.value)
+                got = decode.reserve(room, pages)
+                held = model.lent.get(room)
+                if held is not None:  # asked again: the same part, or none while quarantined
+                    expected = held[0] if held[1] is None and held[0].pages == len(pages) else None
+                    assert got == expected
+                elif got is None:
+                    assert model.first_fit(aligned(len(pages) * PAGE_BYTES)) is None
+                else:
+                    assert got.offset == model.first_fit(aligned(got.nbytes))  # first fit
+                    assert (got.pages, got.nbytes) == (len(pages), len(pages) * PAGE_BYTES)
+                    model.lent[room] = (got, None)
+            elif argument in rooms:
+                room = rooms.pop(argument)
+                if kind == "clear":
+                    status.pop(room, None)
+                    continue
+                decode.status(room, KV_POLL_SUCCESS if kind == "success" else KV_POLL_FAILED)
+                if room in model.lent and model.lent[room][1] is None:
+                    if kind == "success":
+                        del model.lent[room]
+                    else:
+                        model.lent[room] = (model.lent[room][0], clock.value)
+            parts = model.parts()
+            assert all(a + n <= b for (a, n), (b, _) in zip(parts[:-1], parts[1:], strict=True))
+            assert all(a >= 0 and a + n <= model.size for a, n in parts)
+            assert region.lent_rooms == len(model.lent)
+            assert region.free_bytes + sum(n for _, n in parts) == region.region.numel()
+    finally:
+        receive_staging.release_region(decode.manager)
+
+
+# Lifecycle
+
+
+def test_success_frees_the_part_at_once(decodes):
+    decode = decodes()
+    decode.advertise()
+    reservation = decode.reserve(7, distinct_pages(0, 6))
+    assert decode.region.free_bytes == REGION_BYTES - aligned(reservation.nbytes)
+    calls = decode.status(7, KV_POLL_SUCCESS)
+    assert calls == [dict(bootstrap_room=7, status=KV_POLL_SUCCESS, prefill_rank=0)]
+    assert decode.region.lent_rooms == 0 and decode.region.free_bytes == REGION_BYTES
+    assert decode.reserve(8, distinct_pages(0, 6)).offset == reservation.offset  # reusable
+
+
+def test_success_of_one_of_two_ranks_keeps_the_part(decodes):
+    decode = decodes()
+    decode.advertise()
+    decode.reserve(7, distinct_pages(0, 6))
+    decode.status(7, KV_POLL_SUCCESS, applied=KV_POLL_TRANSFERRING)  # one rank of two
+    assert decode.region.lent_rooms == 1
+    decode.status(7, KV_POLL_SUCCESS, prefill_rank=1)
+    assert decode.region.lent_rooms == 0
+
+
+@pytest.mark.parametrize("end", ["failed", "cleared"])
+def test_a_failed_or_cleared_room_is_quarantined_then_freed(decodes, clock, staging_bytes, end):
+    staging_bytes(8 * ALIGNMENT)
+    decode = decodes()
+    decode.advertise()
+    pages = np.arange(8 * ALIGNMENT // PAGE_BYTES)  # 10 pages: 1920 bytes, the whole region
+    reservation = decode.reserve(7, pages)
+    assert decode.region.free_bytes == 0
+    if end == "failed":
+        assert decode.status(7, KV_POLL_FAILED)[0]["status"] == KV_POLL_FAILED
+    else:
+        del decode.manager.request_status[7]
+    clock.value += receive_staging.QUARANTINE_S - 1
+    assert decode.reserve(8, pages) is None  # not reusable while a prefill may still write
+    assert decode.reserve(7, pages) is None  # nor by the room itself
+    assert decode.region.lent_rooms == 1
+    clock.value += 1 if end == "failed" else receive_staging.QUARANTINE_S
+    again = decode.reserve(9, pages)  # the sweep of this reserve freed it
+    assert again is not None and again.offset == reservation.offset
+    assert again.reservation_id != reservation.reservation_id
+    assert decode.region.lent_rooms == 1
+
+
+def test_a_cleared_room_is_quarantined_from_the_sweep_that_saw_it_gone(decodes, clock):
+    decode = decodes()
+    decode.advertise()
+    decode.reserve(7, distinct_pages(0, 4))
+    del decode.manager.request_status[7]
+    clock.value += 10 * receive_staging.QUARANTINE_S  # long after: the sweep starts the wait
+    decode.reserve(8, distinct_pages(0, 4))
+    assert decode.region.lent_rooms == 2
+    clock.value += receive_staging.QUARANTINE_S
+    decode.reserve(9, distinct_pages(0, 4))
+    assert decode.region.lent_rooms == 2  # 7 freed, 9 lent
+
+
+# Notes: hostile and malformed
+
+
+REQUEST_PAGES = 6
+
+
+def hostile_cases():
+    """(prelude notes, the hostile note) as functions of (room, reservation)."""
+    last = REQUEST_PAGES
+    return {
+        "wrong reservation id": (
+            [],
+            lambda room, r: note(room, r, [(0, 2)], reservation_id=r.reservation_id + 1),
+        ),
+        "writers changed, 2 then 1": (
+            [lambda room, r: note(room, r, [(0, 2)], writers=2)],
+            lambda room, r: note(room, r, [(2, 2)]),
+        ),
+        "writers changed, 1 then 2": (
+            [lambda room, r: note(room, r, [(0, 2)])],
+            lambda room, r: note(room, r, [(2, 2)], writers=2, writer=1),
+        ),
+        "entry past the KV buffers": ([], lambda room, r: note(room, r, [(0, 2)], [0, 4])),
+        "pages past the reservation": ([], lambda room, r: note(room, r, [(last - 1, 2)])),
+        "a page start at the end": ([], lambda room, r: note(room, r, [(last, 1)])),
+        "no pages": ([], lambda room, r: note(room, r, [(0, 0)])),
+        "a good chunk, then a bad one": ([], lambda room, r: note(room, r, [(0, 2), (4, 9)])),
+        "the same pages twice in a note": ([], lambda room, r: note(room, r, [(0, 3), (2, 1)])),
+        "the same pages twice": (
+            [lambda room, r: note(room, r, [(0, 3)])],
+            lambda room, r: note(room, r, [(2, 2)]),
+        ),
+        "device entries without device pages": (
+            [],
+            lambda room, r: note(room, r, [(0, 2)], is_device=[False, False, True, False]),
+        ),
+        "item lengths 3 writers cannot split": (
+            [],
+            lambda room, r: note(room, r, [(0, 2)], writers=3, writer=2),
+        ),
+        "item lengths 16 writers cannot split": (
+            [],
+            lambda room, r: note(room, r, [(0, 2)], writers=16, writer=0),
+        ),
+    }
+
+
+@pytest.mark.parametrize("case", list(hostile_cases()))
+def test_a_hostile_note_writes_nothing_and_fails_the_room(decodes, case):
+    prelude, hostile = hostile_cases()[case]
+    decode = decodes()
+    decode.advertise()
+    room = 41
+    reservation = decode.reserve(room, distinct_pages(3, REQUEST_PAGES))
+    fill_region(decode.region, seed=9)
+    for make in prelude:
+        assert decode.note(make(room, reservation)) is True
+    before, refused = decode.pool.bytes(), receive_fallbacks("staged chunk refused")
+    assert decode.note(hostile(room, reservation)) is True
+    np.testing.assert_array_equal(decode.pool.bytes(), before)  # nothing scattered
+    assert receive_fallbacks("staged chunk refused") == refused + 1
+    [call] = decode.status(room, KV_POLL_SUCCESS)
+    assert call["status"] == KV_POLL_FAILED
+    assert call["failure_reason"].startswith("gpu_planner:")
+    assert decode.manager.request_status[room] == KV_POLL_FAILED
+    assert decode.region.lent_rooms == 1  # quarantined, not freed
+
+
+def test_a_note_for_a_room_never_lent_is_ignored(decodes):
+    decode = decodes()
+    decode.advertise()
+    reservation = decode.reserve(41, distinct_pages(3, REQUEST_PAGES))
+    fill_region(decode.region, seed=2)
+    before = decode.pool.bytes()
+    assert decode.note(note(42, reservation, [(0, 2)])) is True
+    np.testing.assert_array_equal(decode.pool.bytes(), before)
+    decode.manager.request_status[42] = KV_POLL_TRANSFERRING
+    [call] = decode.status(42, KV_POLL_SUCCESS)
+    assert call["status"] == KV_POLL_SUCCESS and "failure_reason" not in call
+
+
+def test_a_note_for_a_quarantined_room_is_ignored(decodes):
+    decode = decodes()
+    decode.advertise()
+    reservation = decode.reserve(41, distinct_pages(3, REQUEST_PAGES))
+    decode.status(41, KV_POLL_FAILED)
+    fill_region(decode.region, seed=2)
+    before = decode.pool.bytes()
+    assert decode.note(note(41, reservation, [(0, 2)])) is True
+    np.testing.assert_array_equal(decode.pool.bytes(), before)
+    assert decode.region.lent_rooms == 1
+
+
+def test_a_note_for_a_room_sglang_cleared_writes_nothing(decodes):
+    decode = decodes()
+    decode.advertise()
+    reservation = decode.reserve(41, distinct_pages(3, REQUEST_PAGES))
+    fill_region(decode.region, seed=2)
+    before = decode.pool.bytes()
+    del decode.manager.request_status[41]  # cleared: its pages may already hold another request
+    assert decode.note(note(41, reservation, [(0, 2)])) is True
+    np.testing.assert_array_equal(decode.pool.bytes(), before)
+
+
+@pytest.mark.parametrize(
+    "frames",
+    [
+        [STAGED_TAG],
+        [STAGED_TAG, b"garbage"],
+        [STAGED_TAG, *[b"\xff" * 5] * 7],
+        [STAGED_TAG, b"41", b"1", b"0", b"1", b"\x00\x00\x00", b"\x00", b"\x00" * 16],
+        [STAGED_TAG, b"41", b"1", b"1", b"1", b"\x00" * 4, b"\x00", b"\x00" * 16],
+        [STAGED_TAG, b"41", b"1", b"0", b"1", b"\x00" * 4, b"\x00", b"\x00" * 16, b"extra"],
+        [STAGED_TAG, "41", b"1", b"0", b"1", b"\x00" * 4, b"\x00", b"\x00" * 16],
+    ],
+)
+def test_a_malformed_note_is_dropped(decodes, frames):
+    decode = decodes()
+    decode.advertise()
+    decode.reserve(41, distinct_pages(3, REQUEST_PAGES))
+    fill_region(decode.region, seed=2)
+    before = decode.pool.bytes()
+    assert decode.note(frames) is True
+    np.testing.assert_array_equal(decode.pool.bytes(), before)
+    [call] = decode.status(41, KV_POLL_SUCCESS)  # it names no room it could fail
+    assert call["status"] == KV_POLL_SUCCESS
+
+
+@pytest.mark.parametrize(
+    "message",
+    [[b"CHUNK_READY", b"1", b"0", b"0", b"2", b"w"], [b"17", b"4", b"0"], [], (STAGED_TAG,)],
+)
+def test_a_message_without_our_tag_goes_to_sglang(decodes, message):
+    decode = decodes()
+    decode.advertise()
+    got, result = [], object()
+
+    def original(manager, msg):
+        got.append((manager, msg))
+        return result
+
+    assert receive_staging.chunk_ready_hook(original, decode.manager, message) is result
+    assert got == [(decode.manager, message)]
+
+
+# Notes: what a valid one scatters
+
+
+def test_whole_pages_land_by_each_buffers_page_space(decodes):
+    """W = 1, HiSparse: buffers 2 and 3 take the device pages, 0 and 1 the host pages."""
+    decode = decodes(seed=5)
+    decode.advertise()
+    host_pages = distinct_pages(11, REQUEST_PAGES)
+    device_pages = distinct_pages(12, REQUEST_PAGES)
+    assert (host_pages != device_pages).any()
+    reservation = decode.reserve(7, host_pages, device_pages)
+    staged = fill_region(decode.region, seed=6)
+    entries, is_device = [2, 0, 3, 1], [True, False, True, False]  # any order, buffer-major
+    notes = [
+        note(7, reservation, [(0, 4)], entries, is_device),
+        note(7, reservation, [(4, 1), (5, 1)], entries, is_device),
+    ]
+    expected = decode.pool.bytes()
+    scatters = counters.snapshot()["staged_scatters"]
+    for frames in notes:
+        expected = reference(
+            decode.pool, expected, staged, reservation, frames, host_pages, device_pages
+        )
+        assert decode.note(frames) is True
+        np.testing.assert_array_equal(decode.pool.bytes(), expected)
+    assert counters.snapshot()["staged_scatters"] == scatters + 3
+    assert not np.array_equal(expected, Pool(ITEM_LENS, seed=5).bytes())  # bytes moved
+    [call] = decode.status(7, KV_POLL_SUCCESS)
+    assert call["status"] == KV_POLL_SUCCESS and "failure_reason" not in call
+    assert decode.region.lent_rooms == 0 and decode.region.free_bytes == REGION_BYTES
+
+
+def test_two_writers_each_fill_their_half_of_every_token_slot(decodes):
+    decode = decodes(seed=7)
+    decode.advertise()
+    host_pages = distinct_pages(13, REQUEST_PAGES)
+    reservation = decode.reserve(9, host_pages)
+    staged = fill_region(decode.region, seed=8)
+    first = note(9, reservation, [(0, 2), (2, 4)], writers=2, writer=0)
+    second = note(9, reservation, [(0, 6)], [3, 1, 0, 2], writers=2, writer=1)
+    kv = decode.pool.bytes()
+    after_first = reference(decode.pool, kv, staged, reservation, first, host_pages)
+    after_second = reference(decode.pool, after_first, staged, reservation, second, host_pages)
+    assert decode.note(first) is True
+    np.testing.assert_array_equal(decode.pool.bytes(), after_first)
+    assert decode.note(second) is True
+    np.testing.assert_array_equal(decode.pool.bytes(), after_second)
+    # Every byte of the request's pages came from the region; no other page changed.
+    landed = decode.pool.bytes()
+    for buffer, item_len in enumerate(ITEM_LENS):
+        pages = landed[decode.pool.offsets[buffer] : decode.pool.offsets[buffer + 1]]
+        pages = pages.reshape(POOL_PAGES, item_len)
+        original = kv[decode.pool.offsets[buffer] : decode.pool.offsets[buffer + 1]]
+        original = original.reshape(POOL_PAGES, item_len)
+        others = np.setdiff1d(np.arange(POOL_PAGES), host_pages)
+        np.testing.assert_array_equal(pages[others], original[others])
+    decode.status(9, KV_POLL_SUCCESS, prefill_rank=0, applied=KV_POLL_TRANSFERRING)
+    assert decode.region.lent_rooms == 1
+    [call] = decode.status(9, KV_POLL_SUCCESS, prefill_rank=1)
+    assert call["status"] == KV_POLL_SUCCESS
+    assert decode.region.lent_rooms == 0
+
+
+# CUDA host logic, through the stand-in
+
+
+def test_on_a_gpu_the_region_and_scatter_run_on_the_kvs_device(decodes, host_cuda, monkeypatch):
+    decode = decodes(seed=3)
+    host_cuda.place(decode.pool.tensor, 1)
+    log: list = []
+    scatter = receive_staging.scatter_head_slices
+
+    def recorded_scatter(*args, **kwargs):
+        log.append(("scatter", host_cuda.current_device()))
+        return scatter(*args, **kwargs)
+
+    new_event = host_cuda.new_event
+
+    def recorded_event():
+        event = new_event()
+        record, synchronize = event.record, event.synchronize
+
+        def record_on(stream=None):
+            log.append(("record", host_cuda.current_device()))
+            record(stream)
+
+        def wait():
+            log.append("synchronize")
+            synchronize()
+
+        event.record, event.synchronize = record_on, wait
+        return event
+
+    monkeypatch.setattr(receive_staging, "scatter_head_slices", recorded_scatter)
+    monkeypatch.setattr(host_cuda, "new_event", recorded_event)
+    decode.advertise()
+    region = decode.region
+    assert region.torch_device == torch.device("cuda", 1)
+    assert host_cuda.allocations == [(torch.device("cuda", 1), 1)]
+    host_pages = distinct_pages(4, REQUEST_PAGES)
+    reservation = decode.reserve(5, host_pages)
+    staged = fill_region(region, seed=4)
+    frames = note(5, reservation, [(0, REQUEST_PAGES)])
+    expected = reference(decode.pool, decode.pool.bytes(), staged, reservation, frames, host_pages)
+    assert decode.note(frames) is True
+    assert log == [("scatter", 1), ("record", 1)]
+    assert host_cuda.current_device() == 0  # the guard ended
+    [call] = decode.status(5, KV_POLL_SUCCESS, log=log)
+    assert log == [("scatter", 1), ("record", 1), "synchronize", "original"]
+    assert call["status"] == KV_POLL_SUCCESS
+    np.testing.assert_array_equal(decode.pool.bytes(), expected)
+    assert region.lent_rooms == 0
+
+
+def test_a_scatter_that_cannot_be_waited_for_fails_the_room(decodes, host_cuda, monkeypatch):
+    decode = decodes(seed=3)
+    host_cuda.place(decode.pool.tensor, 1)
+    new_event = host_cuda.new_event
+
+    def broken_event():
+        event = new_event()
+
+        def fail():
+            raise RuntimeError("an illegal memory access was encountered")
+
+        event.synchronize = fail
+        return event
+
+    monkeypatch.setattr(host_cuda, "new_event", broken_event)
+    decode.advertise()
+    reservation = decode.reserve(5, distinct_pages(4, REQUEST_PAGES))
+    fill_region(decode.region, seed=4)
+    assert decode.note(note(5, reservation, [(0, 2)])) is True
+    [call] = decode.status(5, KV_POLL_SUCCESS)  # no exception leaves the hook
+    assert call["status"] == KV_POLL_FAILED
+    assert call["failure_reason"].startswith("gpu_planner: a scatter failed")
+    assert decode.region.lent_rooms == 1  # quarantined
+
+
+@pytest.mark.parametrize("devices", [(0, 1), (None, 1)])
+def test_kv_on_two_devices_or_host_and_gpu_gets_no_region(decodes, host_cuda, devices):
+    decode = decodes()
+    half = decode.pool.offsets[2]
+    for device, tensor in zip(devices, (decode.pool.tensor[:half], decode.pool.tensor[half:]),
+                              strict=True):  # fmt: skip
+        if device is not None:
+            host_cuda.place(tensor, device)
+    frames, hooked = decode.advertise()
+    assert hooked is frames and decode.region is None and host_cuda.allocations == []
+
+
+# The prefill's parser hooks
+
+
+REGISTRATION_FROM_ZMQ = inspect.unwrap(conn.KVArgsRegisterInfo.from_zmq)
+TRANSFER_FROM_ZMQ = inspect.unwrap(conn.TransferInfo.from_zmq)
+CAPABILITY = Capability(1 << 40, 1 << 20)
+
+
+@pytest.fixture
+def prefill():
+    yield
+    staged_send.forget_peers()
+
+
+def registered(pool_frames: list[bytes], extra: list[bytes]):
+    before = counters.snapshot()["fallbacks"].get("staging advertisement ignored", 0)
+    msg = pool_frames + extra
+    info = staged_send.registration_info_hook(REGISTRATION_FROM_ZMQ, conn.KVArgsRegisterInfo, msg)
+    ignored = counters.snapshot()["fallbacks"].get("staging advertisement ignored", 0) - before
+    return info, ignored
+
+
+def test_a_capability_is_kept_per_decode_session(prefill):
+    frames = registration_frames(Pool(ITEM_LENS, 0))
+    info, ignored = registered(frames, CAPABILITY.frames())
+    assert info == REGISTRATION_FROM_ZMQ(conn.KVArgsRegisterInfo, frames)
+    assert staged_send._peers == {SESSION: CAPABILITY} and ignored == 0
+    registered(frames, [])  # a plain registration from the same session: forgotten
+    assert staged_send._peers == {}
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        [CAPABILITY.frames()[0], b"\x01" * 15],
+        [CAPABILITY.frames()[0]],
+        CAPABILITY.frames() * 2,
+        [CAPABILITY.frames()[0], bytes(16)],
+    ],
+)
+def test_a_hostile_capability_is_ignored_and_the_peer_forgotten(prefill, extra):
+    frames = registration_frames(Pool(ITEM_LENS, 0))
+    registered(frames, CAPABILITY.frames())
+    info, ignored = registered(frames, extra)  # never raises
+    assert info == REGISTRATION_FROM_ZMQ(conn.KVArgsRegisterInfo, frames)
+    assert ignored == 1 and SESSION not in staged_send._peers
+
+
+def transfer_message(room: int, pages: np.ndarray, extra: list[bytes], dummy=False) -> list:
+    frames = TransferRequest(
+        room=room, endpoint="127.0.0.1", port=17000, session_id=SESSION, host_pages=pages
+    ).to_frames()
+    if dummy:
+        frames[4] = frames[5] = b""
+    return frames + extra
+
+
+def parsed(msg: list[bytes]):
+    before = counters.snapshot()["fallbacks"].get("staging reservation ignored", 0)
+    info = staged_send.transfer_info_hook(TRANSFER_FROM_ZMQ, conn.TransferInfo, msg)
+    ignored = counters.snapshot()["fallbacks"].get("staging reservation ignored", 0) - before
+    return info, ignored
+
+
+def test_a_reservation_gives_the_request_a_route(prefill):
+    registered(registration_frames(Pool(ITEM_LENS, 0)), CAPABILITY.frames())
+    pages = distinct_pages(0, 10)
+    reservation = Reservation(3, 4096, 10 * PAGE_BYTES, 10)
+    info, ignored = parsed(transfer_message(77, pages, reservation.frames()))
+    assert ignored == 0
+    np.testing.assert_array_equal(info.dst_kv_indices, pages)
+    route, first = staged_send.route_for(info.dst_kv_indices)
+    assert first == 0
+    assert (route.room, route.session, route.endpoint, route.port) == (
+        77,
+        SESSION,
+        "127.0.0.1",
+        17000,
+    )
+    assert route.region == CAPABILITY and route.reservation == reservation
+    assert staged_send.route_for(info.dst_kv_indices[3:7]) == (route, 3)
+    assert staged_send.route_for(info.dst_kv_indices[2:][1:3]) == (route, 3)
+    assert staged_send.route_for(info.dst_kv_indices[9:]) == (route, 9)
+    assert staged_send.route_for(info.dst_kv_indices[3:7].copy()) is None
+    assert staged_send.route_for(info.dst_kv_indices[::2]) is None
+    assert staged_send.route_for(info.dst_kv_indices[1::3]) is None
+    assert staged_send.route_for(info.dst_kv_indices.view(np.uint32)[3:7]) is None
+    assert staged_send.route_for(info.dst_kv_indices.astype(np.int64)[3:7]) is None
+    assert staged_send.route_for(pages[3:7]) is None  # the same pages, another array
+    del info, route
+    gc.collect()
+    assert staged_send._routes == {}  # forgotten with its TransferInfo
+
+
+@pytest.mark.parametrize(
+    ("reservation", "pages"),
+    [
+        (Reservation(3, CAPABILITY.nbytes - 256, 512, 10), 10),  # past the advertised region
+        (Reservation(3, 0, 10 * PAGE_BYTES, 9), 10),  # lent for 9 pages, the request has 10
+        (Reservation(3, 0, 10 * PAGE_BYTES, 11), 10),
+    ],
+)
+def test_a_reservation_that_does_not_fit_records_no_route(prefill, reservation, pages):
+    registered(registration_frames(Pool(ITEM_LENS, 0)), CAPABILITY.frames())
+    msg = transfer_message(77, distinct_pages(0, pages), reservation.frames())
+    info, ignored = parsed(msg)
+    assert ignored == 1
+    assert info.room == 77 and not info.is_dummy  # sglang's parse, unchanged
+    np.testing.assert_array_equal(info.dst_kv_indices, distinct_pages(0, pages))
+    assert staged_send._routes == {} and staged_send.route_for(info.dst_kv_indices) is None
+
+
+def test_no_route_without_a_capability_or_for_a_dummy(prefill):
+    reservation = Reservation(3, 0, 10 * PAGE_BYTES, 10)
+    info, ignored = parsed(transfer_message(77, distinct_pages(0, 10), reservation.frames()))
+    assert ignored == 0 and staged_send.route_for(info.dst_kv_indices) is None  # unknown peer
+    registered(registration_frames(Pool(ITEM_LENS, 0)), CAPABILITY.frames())
+    info, ignored = parsed(transfer_message(78, distinct_pages(0, 10), [], dummy=False))
+    assert staged_send._routes == {}  # no reservation frames
+    dummy = transfer_message(79, distinct_pages(0, 10), reservation.frames(), dummy=True)
+    info, ignored = parsed(dummy)
+    assert info.is_dummy and staged_send._routes == {} and ignored == 0
