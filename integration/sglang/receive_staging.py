@@ -27,7 +27,6 @@ bound, and no exception leaves a hook: sglang's own result is returned.
 
 from __future__ import annotations
 
-import logging
 import threading
 import time
 import weakref
@@ -52,8 +51,6 @@ from gpu_planner.integration.sglang.staging_wire import (
     chunk_offset,
     writer_part,
 )
-
-logger = logging.getLogger("gpu_planner.integration.sglang.plugin")
 
 ALIGNMENT = 256  # bytes: every reservation starts as aligned as the region
 MAX_RESERVATIONS = 256  # rooms lent a part at once: bounds the bookkeeping
@@ -327,9 +324,16 @@ def region_for(manager: Any) -> ReceiveRegion | None:
 
 
 def existing_region(manager: Any) -> ReceiveRegion | None:
-    """`manager`'s receive staging if it advertised one (never makes one)."""
+    """`manager`'s receive staging if it advertised one (never makes one).
+
+    None for a manager that cannot be a weak key (sglang's unit tests build
+    `SimpleNamespace` managers, which are unhashable): it never had one.
+    """
     with _regions_lock:
-        region = _regions.get(manager)
+        try:
+            region = _regions.get(manager)
+        except TypeError:
+            return None
     return region if isinstance(region, ReceiveRegion) else None
 
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import gc
 import inspect
-import threading
 from types import SimpleNamespace
 
 import numpy as np
@@ -23,7 +22,7 @@ import torch
 from hypothesis import HealthCheck, given
 from hypothesis import settings as hypothesis_settings
 from hypothesis import strategies as st
-from sglang_plugin_support import conn
+from sglang_plugin_support import conn, make_decode_manager
 from suite_support import set_knob
 
 from gpu_planner import settings
@@ -85,24 +84,8 @@ class Pool:
 
 
 def decode_manager(engine, pool: Pool, mode: str = "DECODE") -> conn.MooncakeKVManager:
-    """A real decode-side manager with what the staging and the status handling read."""
-    from sglang.srt.disaggregation.base.conn import KVArgs
-    from sglang.srt.disaggregation.utils import DisaggregationMode
-
-    kv_args = KVArgs()
-    kv_args.kv_data_ptrs, kv_args.kv_data_lens = pool.ptrs, pool.lens
-    kv_args.kv_item_lens, kv_args.page_size = pool.item_lens, PAGE_SIZE
-    manager = object.__new__(conn.MooncakeKVManager)
-    manager.kv_args, manager.engine = kv_args, engine
-    manager.disaggregation_mode = DisaggregationMode[mode]
-    manager.enable_staging = False
-    manager.request_status = {}
-    manager.prefill_response_tracker = {}
-    manager.required_prefill_response_num_table = {}
-    manager.defer_decode_allocation = False
-    manager.deferred_bootstrap = None
-    manager.failure_records, manager.failure_lock = {}, threading.Lock()
-    return manager
+    """A real decode-side manager over `pool` (`bench.sglang_manager.make_decode_manager`)."""
+    return make_decode_manager(engine, pool.ptrs, pool.lens, pool.item_lens, PAGE_SIZE, mode)
 
 
 def registration_frames(pool: Pool) -> list[bytes]:
@@ -994,3 +977,25 @@ def test_no_route_without_a_capability_or_for_a_dummy(prefill):
     dummy = transfer_message(79, distinct_pages(0, 10), reservation.frames(), dummy=True)
     info, ignored = parsed(dummy)
     assert info.is_dummy and staged_send._routes == {} and ignored == 0
+
+
+def test_the_status_and_chunk_hooks_pass_an_unhashable_managers_calls_to_sglang():
+    """sglang's unit tests call these on `SimpleNamespace` managers, which no weak key holds."""
+    import types
+
+    manager = types.SimpleNamespace(request_status={})
+    calls = []
+
+    def original(*args, **kwargs):
+        calls.append((args, kwargs))
+        return "sglang's"
+
+    assert (
+        receive_staging.prefill_status_hook(
+            original, manager, bootstrap_room=1, status=4, prefill_rank=0
+        )
+        == "sglang's"
+    )
+    assert calls == [((manager,), {"bootstrap_room": 1, "status": 4, "prefill_rank": 0})]
+    assert receive_staging.chunk_ready_hook(original, manager, [STAGED_TAG]) is True
+    assert receive_staging.chunk_ready_hook(original, manager, [b"CHUNK_READY"]) == "sglang's"
