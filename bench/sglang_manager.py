@@ -2,7 +2,8 @@
 
 sglang's manager constructor starts a transfer engine, threads and sockets.
 `make_manager` builds the real class with `object.__new__` and sets only the
-state `_send_kvcache_generic` reads, so sglang's own send (or the hooked one)
+state `_send_kvcache_generic` reads (`make_decode_manager`: what a decode's
+receive staging and status handling read), so sglang's own send (or the hooked one)
 runs unchanged on it; `RecordingEngine` stands in for sglang's
 `MooncakeTransferEngine` wrapper and records each batch call. Imports sglang.
 """
@@ -100,4 +101,35 @@ def make_manager(
     manager.state_strides_validated = set(validated_sessions)
     manager.enable_deferred_decode_kv_release = deferred_release
     manager.conclude_failure = FailureRecorder()
+    return manager
+
+
+def make_decode_manager(
+    engine,
+    kv_data_ptrs: Sequence[int],
+    kv_data_lens: Sequence[int],
+    kv_item_lens: Sequence[int],
+    page_size: int,
+    mode: str = "DECODE",
+) -> conn.MooncakeKVManager:
+    """A real MooncakeKVManager holding what receive staging and `apply_prefill_status` read.
+
+    `engine` is the wrapper the region registers with; the KV buffers are the
+    decode's (`mode` names the `DisaggregationMode`).
+    """
+    from sglang.srt.disaggregation.utils import DisaggregationMode
+
+    kv_args = KVArgs()
+    kv_args.kv_data_ptrs, kv_args.kv_data_lens = list(kv_data_ptrs), list(kv_data_lens)
+    kv_args.kv_item_lens, kv_args.page_size = list(kv_item_lens), page_size
+    manager = object.__new__(conn.MooncakeKVManager)
+    manager.kv_args, manager.engine = kv_args, engine
+    manager.disaggregation_mode = DisaggregationMode[mode]
+    manager.enable_staging = False
+    manager.request_status = {}
+    manager.prefill_response_tracker = {}
+    manager.required_prefill_response_num_table = {}
+    manager.defer_decode_allocation = False
+    manager.deferred_bootstrap = None
+    manager.failure_records, manager.failure_lock = {}, threading.Lock()
     return manager

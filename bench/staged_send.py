@@ -55,7 +55,12 @@ from bench.harness import RepeatPolicy
 from bench.live_submit import LOCALHOST, live_peer
 from bench.send_path import measure_sends
 from gpu_planner import settings
-from gpu_planner.integration.mooncake.engine import QUIET_ENV, TCP_ONLY_ENV, set_mooncake_defaults
+from gpu_planner.integration.mooncake.engine import (
+    QUIET_ENV,
+    TCP_ONLY_ENV,
+    set_environment,
+    set_mooncake_defaults,
+)
 
 PAGE_SIZE = 16
 ITEM_LEN = PAGE_SIZE * 576 * 2  # one MLA layer's page: 16 tokens of 576 bf16 dims
@@ -83,18 +88,12 @@ def fragmented_pages(rng: np.random.Generator, pool_pages: int, count: int) -> n
 @contextlib.contextmanager
 def knobs(values: dict[str, str]) -> Iterator[None]:
     """gpu_planner's knobs set to `values` (and loaded) for the block, then restored (loaded)."""
-    saved = {name: os.environ.get(name) for name in values}
-    os.environ.update(values)
-    settings.forget_loaded()
-    settings.load()
     try:
-        yield
+        with set_environment(values):
+            settings.forget_loaded()
+            settings.load()
+            yield
     finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
         settings.forget_loaded()
         settings.load()
 

@@ -55,7 +55,7 @@ def tcp_queue_capacity(environ: Mapping[str, str] = os.environ) -> int:
 
 
 @contextlib.contextmanager
-def _environment(env: Mapping[str, str]) -> Iterator[None]:
+def set_environment(env: Mapping[str, str]) -> Iterator[None]:
     """Set `env` in `os.environ` for the block, then restore what was there."""
     saved = {name: os.environ.get(name) for name in env}
     os.environ.update(env)
@@ -88,7 +88,7 @@ def start_engine(
     from mooncake.engine import TransferEngine
 
     engine = TransferEngine()
-    with _environment(environment or {}):
+    with set_environment(environment or {}):
         status = engine.initialize(local_hostname, metadata_server, protocol, device_name)
     if status != 0:
         raise RuntimeError(

@@ -141,8 +141,9 @@ def send_kvcache_slice_hook(manager: conn.MooncakeKVManager, *args, **kwargs) ->
             dst_head_start * head_len,
             slice_len,
         )
-        staged = staged_send.StagedEntries.of_head_slices(layout)
-        if manager.attn_tp_size > call.dst_attn_tp_size and staged is not None:
+        tp_down = manager.attn_tp_size > call.dst_attn_tp_size
+        staged = staged_send.StagedEntries.of_head_slices(layout) if tp_down else None
+        if staged is not None:
             status = staged_send.send_staged(
                 manager,
                 call.mooncake_session_id,

@@ -25,7 +25,6 @@ planned, counted.
 
 from __future__ import annotations
 
-import logging
 import threading
 import time
 import weakref
@@ -49,8 +48,6 @@ from gpu_planner.integration.sglang.staging_wire import (
     writer_part,
 )
 from gpu_planner.layout import BufferLayout
-
-logger = logging.getLogger("gpu_planner.integration.sglang.plugin")
 
 _peers: dict[str, Capability] = {}  # decode session -> its advertised region
 _routes: dict[int, Route] = {}  # id of a TransferInfo's page array -> its lent part

@@ -33,6 +33,7 @@ load_plugins()
 from bench.sglang_manager import (  # noqa: E402  (after sglang's import)
     FailureRecorder,
     RecordingEngine,
+    make_decode_manager,
     make_manager,
 )
 
@@ -43,6 +44,7 @@ __all__ = [
     "common",
     "conn",
     "hooked_send",
+    "make_decode_manager",
     "make_manager",
     "minimax",
     "send_outcome",

@@ -16,12 +16,11 @@ HiSparse's two destination spaces.
 from __future__ import annotations
 
 import dataclasses
-import threading
 
 import numpy as np
 import pytest
 import torch
-from sglang_plugin_support import ORIGINALS, conn, hooked_send, make_manager
+from sglang_plugin_support import ORIGINALS, conn, hooked_send, make_decode_manager, make_manager
 from suite_support import set_knob
 
 from gpu_planner import settings
@@ -59,24 +58,8 @@ class Pool:
 
 
 def decode_manager(engine, pool: Pool) -> conn.MooncakeKVManager:
-    """A real decode-side manager with what the staging and the status handling read."""
-    from sglang.srt.disaggregation.base.conn import KVArgs
-    from sglang.srt.disaggregation.utils import DisaggregationMode
-
-    kv_args = KVArgs()
-    kv_args.kv_data_ptrs, kv_args.kv_data_lens = pool.ptrs, pool.lens
-    kv_args.kv_item_lens, kv_args.page_size = pool.item_lens, PAGE_SIZE
-    manager = object.__new__(conn.MooncakeKVManager)
-    manager.kv_args, manager.engine = kv_args, engine
-    manager.disaggregation_mode = DisaggregationMode.DECODE
-    manager.enable_staging = False
-    manager.request_status = {}
-    manager.prefill_response_tracker = {}
-    manager.required_prefill_response_num_table = {}
-    manager.defer_decode_allocation = False
-    manager.deferred_bootstrap = None
-    manager.failure_records, manager.failure_lock = {}, threading.Lock()
-    return manager
+    """A real decode-side manager over `pool` (`bench.sglang_manager.make_decode_manager`)."""
+    return make_decode_manager(engine, pool.ptrs, pool.lens, pool.item_lens, PAGE_SIZE)
 
 
 def fragmented(rng: np.random.Generator, count: int, dtype=np.int32) -> np.ndarray:
