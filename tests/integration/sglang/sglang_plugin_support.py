@@ -13,6 +13,9 @@ import inspect
 import os
 import warnings
 
+import numpy as np
+import torch
+
 os.environ.pop("GPU_PLANNER_DISABLE", None)
 os.environ.pop("SGLANG_PLUGINS", None)
 
@@ -39,6 +42,7 @@ from bench.sglang_manager import (  # noqa: E402  (after sglang's import)
 
 __all__ = [
     "ORIGINALS",
+    "KVPool",
     "FailureRecorder",
     "RecordingEngine",
     "common",
@@ -63,3 +67,39 @@ def send_outcome(send, manager: conn.MooncakeKVManager, *args, **kwargs) -> dict
 def hooked_send():
     """The `_send_kvcache_generic` sglang now runs (the plugin's wrapper)."""
     return conn.MooncakeKVManager._send_kvcache_generic
+
+
+class KVPool:
+    """KV buffers of `pages` pages each in one host tensor registered with `engine`."""
+
+    def __init__(
+        self, engine, item_lens: list[int], fill: str, seed: int = 0, *, pages: int
+    ) -> None:
+        self.item_lens = item_lens
+        self.pages = pages
+        self.offsets = np.cumsum([0] + [pages * n for n in item_lens]).tolist()
+        if fill == "random":
+            rng = np.random.default_rng(seed)
+            data = rng.integers(0, 256, self.offsets[-1], dtype=np.uint8)
+        else:
+            data = np.zeros(self.offsets[-1], dtype=np.uint8)
+        self.tensor = torch.from_numpy(data)
+        self.engine = engine
+        engine.register(self.tensor.data_ptr(), self.offsets[-1])
+
+    def close(self) -> None:
+        self.engine.deregister(self.tensor.data_ptr())
+
+    @property
+    def ptrs(self) -> list[int]:
+        return [self.tensor.data_ptr() + offset for offset in self.offsets[:-1]]
+
+    @property
+    def lens(self) -> list[int]:
+        """Each buffer's registered bytes (the side's `kv_args.kv_data_lens`)."""
+        return [self.pages * n for n in self.item_lens]
+
+    def page(self, buffer: int, page: int) -> slice:
+        item_len = self.item_lens[buffer]
+        start = self.offsets[buffer] + page * item_len
+        return slice(start, start + item_len)

@@ -19,8 +19,14 @@ import dataclasses
 
 import numpy as np
 import pytest
-import torch
-from sglang_plugin_support import ORIGINALS, conn, hooked_send, make_decode_manager, make_manager
+from sglang_plugin_support import (
+    ORIGINALS,
+    KVPool,
+    conn,
+    hooked_send,
+    make_decode_manager,
+    make_manager,
+)
 from suite_support import set_knob
 
 from gpu_planner import settings
@@ -34,30 +40,13 @@ KV_POLL_TRANSFERRING, KV_POLL_SUCCESS, KV_POLL_FAILED = 3, 4, 0
 DEAD_SESSION = "127.0.0.1:9"  # nothing listens there: Mooncake's call fails at once
 
 
-class Pool:
-    """KV buffers of POOL_PAGES pages each, in one registered host tensor."""
-
-    def __init__(self, engine, item_lens: list[int], seed: int | None) -> None:
-        self.item_lens = item_lens
-        self.offsets = np.cumsum([0] + [POOL_PAGES * n for n in item_lens]).tolist()
-        if seed is None:
-            data = np.zeros(self.offsets[-1], dtype=np.uint8)
-        else:
-            data = np.random.default_rng(seed).integers(0, 256, self.offsets[-1], dtype=np.uint8)
-        self.tensor = torch.from_numpy(data)
-        self.engine = engine
-        engine.register(self.tensor.data_ptr(), self.offsets[-1])
-
-    @property
-    def ptrs(self) -> list[int]:
-        return [self.tensor.data_ptr() + offset for offset in self.offsets[:-1]]
-
-    @property
-    def lens(self) -> list[int]:
-        return [POOL_PAGES * n for n in self.item_lens]
+def kv_pool(engine, item_lens: list[int], seed: int | None) -> KVPool:
+    """POOL_PAGES pages per buffer, registered: random bytes from `seed`, or zeros (None)."""
+    fill = "zeros" if seed is None else "random"
+    return KVPool(engine, item_lens, fill, seed or 0, pages=POOL_PAGES)
 
 
-def decode_manager(engine, pool: Pool) -> conn.MooncakeKVManager:
+def decode_manager(engine, pool: KVPool) -> conn.MooncakeKVManager:
     """A real decode-side manager over `pool` (`bench.sglang_manager.make_decode_manager`)."""
     return make_decode_manager(engine, pool.ptrs, pool.lens, pool.item_lens, PAGE_SIZE)
 
@@ -73,8 +62,8 @@ class Deployment:
 
     def __init__(self, engines, item_lens: list[int], device_buffers: int, seed: int) -> None:
         prefill_engine, decode_engine = engines
-        self.source = Pool(prefill_engine, item_lens, seed)
-        self.destination = Pool(decode_engine, item_lens, None)
+        self.source = kv_pool(prefill_engine, item_lens, seed)
+        self.destination = kv_pool(decode_engine, item_lens, None)
         self.decode = decode_manager(decode_engine, self.destination)
         self.prefill = make_manager(
             prefill_engine, kv_data_ptrs=self.source.ptrs, kv_data_lens=self.source.lens
@@ -158,7 +147,7 @@ class Deployment:
 
     def sglang_bytes(self, src_pages, host_pages, device_pages) -> np.ndarray:
         """What sglang's own send lands in a fresh copy of the decode's pool."""
-        reference = Pool(self.destination.engine, self.destination.item_lens, None)
+        reference = kv_pool(self.destination.engine, self.destination.item_lens, None)
         status = ORIGINALS["send"](
             self.prefill,
             mooncake_session_id=self.session,
@@ -176,14 +165,14 @@ class Deployment:
         )
         assert status == 0
         landed = reference.tensor.numpy().copy()
-        reference.engine.deregister(reference.tensor.data_ptr())
+        reference.close()
         return landed
 
     def close(self) -> None:
         receive_staging.release_region(self.decode)
         gathered.release_staging(self.prefill)
         for pool in (self.source, self.destination):
-            pool.engine.deregister(pool.tensor.data_ptr())
+            pool.close()
 
 
 @pytest.fixture
@@ -291,12 +280,12 @@ def test_two_tp_down_writers_each_land_their_heads_in_every_token_slot(engines, 
     settings.load()
     prefill_engine, decode_engine = engines
     decode_lens, writers, num_pages = [256] * 8, 2, 40  # K/V of 4 layers, 64-byte tokens
-    destination = Pool(decode_engine, decode_lens, None)
+    destination = kv_pool(decode_engine, decode_lens, None)
     decode = decode_manager(decode_engine, destination)
     notes: list[list[bytes]] = []
     ranks = []
     for writer in range(writers):
-        source = Pool(prefill_engine, [n // writers for n in decode_lens], seed=20 + writer)
+        source = kv_pool(prefill_engine, [n // writers for n in decode_lens], seed=20 + writer)
         prefill = make_manager(prefill_engine, kv_data_ptrs=source.ptrs, kv_data_lens=source.lens)
         prefill._send_multipart_locked = lambda _, parts, is_ipv6=False: notes.append(parts)
         ranks.append((source, prefill))
@@ -370,8 +359,8 @@ def test_two_tp_down_writers_each_land_their_heads_in_every_token_slot(engines, 
         receive_staging.release_region(decode)
         for source, prefill in ranks:
             gathered.release_staging(prefill)
-            prefill_engine.deregister(source.tensor.data_ptr())
-        decode_engine.deregister(destination.tensor.data_ptr())
+            source.close()
+        destination.close()
         staged_send.forget_peers()
 
 

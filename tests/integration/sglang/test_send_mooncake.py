@@ -13,51 +13,17 @@ import concurrent.futures
 
 import numpy as np
 import pytest
-import torch
-from sglang_plugin_support import hooked_send, make_manager
+from sglang_plugin_support import KVPool, hooked_send, make_manager
 
 POOL_PAGES = 256
 NUM_PAGES = 60
-
-
-class KVPool:
-    """`num_buffers` KV buffers of POOL_PAGES pages in one registered host tensor."""
-
-    def __init__(self, engine, item_lens: list[int], fill: str, seed: int = 0) -> None:
-        self.item_lens = item_lens
-        self.offsets = np.cumsum([0] + [POOL_PAGES * n for n in item_lens]).tolist()
-        if fill == "random":
-            rng = np.random.default_rng(seed)
-            data = rng.integers(0, 256, self.offsets[-1], dtype=np.uint8)
-        else:
-            data = np.zeros(self.offsets[-1], dtype=np.uint8)
-        self.tensor = torch.from_numpy(data)
-        self.engine = engine
-        engine.register(self.tensor.data_ptr(), self.offsets[-1])
-
-    def close(self) -> None:
-        self.engine.deregister(self.tensor.data_ptr())
-
-    @property
-    def ptrs(self) -> list[int]:
-        return [self.tensor.data_ptr() + offset for offset in self.offsets[:-1]]
-
-    @property
-    def lens(self) -> list[int]:
-        """Each buffer's registered bytes (the prefill's `kv_args.kv_data_lens`)."""
-        return [POOL_PAGES * n for n in self.item_lens]
-
-    def page(self, buffer: int, page: int) -> slice:
-        item_len = self.item_lens[buffer]
-        start = self.offsets[buffer] + page * item_len
-        return slice(start, start + item_len)
 
 
 class KVPools(list):
     """The registered KVPools of one test."""
 
     def make(self, *args, **kwargs) -> KVPool:
-        self.append(KVPool(*args, **kwargs))
+        self.append(KVPool(*args, pages=POOL_PAGES, **kwargs))
         return self[-1]
 
 
