@@ -63,7 +63,7 @@ from gpu_planner.integration.mooncake.engine import (
 )
 
 PAGE_SIZE = 16
-ITEM_LEN = PAGE_SIZE * 576 * 2  # one MLA layer's page: 16 tokens of 576 bf16 dims
+ITEM_LEN = PAGE_SIZE * 576 * 2  # one MLA layer's page: 16 tokens of 576 bf16 dims (the default)
 BUFFERS = 61
 SPARE_PAGES = 16  # pool pages no send uses
 RUN_PAGES = 2
@@ -71,6 +71,7 @@ NOTE_PORT = 17000  # where the staged note would go (the bench keeps it)
 ROOM, RESERVATION_ID = 1, 1
 STAGING_KNOBS = {
     settings.STAGING_MIN_DESCRIPTORS.name: "1",
+    settings.STAGING_MAX_MEAN_BYTES.name: str(1 << 40),  # the bench stages every size
     settings.GATHER_STAGING_BYTES.name: str(64 << 20),
 }
 VARIANTS = ("sglang", "hook", "staged")
@@ -304,7 +305,9 @@ def counted(send: Callable[[], int]) -> dict[str, Any]:
 class StagedSendBench:
     """The three generic sends to one live peer, on one MLA manager, and the decode's scatter."""
 
-    def __init__(self, num_pages: int, buffers: int, peer: tuple[str, int]) -> None:
+    def __init__(
+        self, num_pages: int, buffers: int, peer: tuple[str, int], item_len: int = ITEM_LEN
+    ) -> None:
         from sglang.srt.disaggregation.mooncake import conn
         from sglang.srt.distributed.device_communicators.mooncake_transfer_engine import (
             MooncakeTransferEngine,
@@ -316,11 +319,11 @@ class StagedSendBench:
 
         load_plugins()  # the gpu_planner hooks, from the installed entry point
         self.session, peer_address = peer
-        self.num_pages, self.buffers = num_pages, buffers
+        self.num_pages, self.buffers, self.item_len = num_pages, buffers, item_len
         self.pool_pages = num_pages + SPARE_PAGES + num_pages % RUN_PAGES
         rng = np.random.default_rng(0)
         self.sources = [
-            rng.integers(0, 256, self.pool_pages * ITEM_LEN, dtype=np.uint8) for _ in range(buffers)
+            rng.integers(0, 256, self.pool_pages * item_len, dtype=np.uint8) for _ in range(buffers)
         ]
         self.wrapper = MooncakeTransferEngine(LOCALHOST)
         for source in self.sources:
@@ -328,10 +331,10 @@ class StagedSendBench:
         self.src_pages = fragmented_pages(rng, self.pool_pages, num_pages)
         self.dst_pages = fragmented_pages(rng, self.pool_pages, num_pages)
         self.src_ptrs = [source.ctypes.data for source in self.sources]
-        buffer_bytes = self.pool_pages * ITEM_LEN
+        buffer_bytes = self.pool_pages * item_len
         self.pool_bytes = buffers * buffer_bytes
         self.dst_ptrs = [peer_address + buffer * buffer_bytes for buffer in range(buffers)]
-        self.item_lens = [ITEM_LEN] * buffers
+        self.item_lens = [item_len] * buffers
         self.manager = make_manager(
             self.wrapper, mla=True, kv_data_ptrs=self.src_ptrs,
             kv_data_lens=[source.nbytes for source in self.sources],
@@ -343,7 +346,7 @@ class StagedSendBench:
             self.manager,
             self.session,
             (self.dst_ptrs, self.item_lens, [buffer_bytes] * buffers),
-            (peer_address + self.pool_bytes, num_pages * buffers * ITEM_LEN),
+            (peer_address + self.pool_bytes, num_pages * buffers * item_len),
             self.dst_pages,
         )
         self.staged_dst_pages = self.offer.info.dst_kv_indices[:num_pages]  # sglang's chunk slice
@@ -384,7 +387,7 @@ class StagedSendBench:
         from gpu_planner.integration.sglang.staging_wire import chunk_offset
 
         write = self.wrapper.engine.batch_transfer_sync_write_arrays
-        page_bytes = self.buffers * ITEM_LEN
+        page_bytes = self.buffers * self.item_len
         src = np.array([self.staging.slot(0).data_ptr()], dtype=np.int64)
         for start, count in self.scatter.note.chunks.tolist():
             dst = self.offer.capability.address + chunk_offset(page_bytes, 1, start)
@@ -401,7 +404,7 @@ class StagedSendBench:
         counts = {name: counted(send) for name, send in self.variants().items()}
         runs = len(group_runs(self.src_pages.tolist(), self.dst_pages.tolist()))
         counts["sglang"].update(  # the plugin counts none of sglang's own: its runs
-            descriptors=self.buffers * runs, bytes=self.buffers * self.num_pages * ITEM_LEN
+            descriptors=self.buffers * runs, bytes=self.buffers * self.num_pages * self.item_len
         )
         counts["staged"]["chunks"] = len(self.scatter.note.chunks)
         return counts
@@ -410,7 +413,7 @@ class StagedSendBench:
         """Each send once into cleared peer memory: the peer's pages hold the source pages."""
         expected = expected_pool(
             self.sources, self.pool_pages, self.src_pages, self.dst_pages,
-            (ITEM_LEN, ITEM_LEN), (0, 0), ITEM_LEN, 1,
+            (self.item_len, self.item_len), (0, 0), self.item_len, 1,
         )  # fmt: skip
         reservation = self.offer.reservation.nbytes
         peer = PeerMemory(
@@ -442,17 +445,22 @@ class StagedSendBench:
 
 
 def measure(
-    num_pages: int = 256, buffers: int = BUFFERS, budget_s: float = 10.0, verify: bool = False
+    num_pages: int = 256,
+    buffers: int = BUFFERS,
+    budget_s: float = 10.0,
+    verify: bool = False,
+    item_len: int = ITEM_LEN,
 ) -> dict[str, Any]:
-    """Every variant's figures for one fragmented send of `num_pages` pages of `buffers` buffers."""
+    """Every variant's figures for one fragmented send of `num_pages` pages of `buffers` buffers
+    of `item_len` bytes per page."""
     from gpu_planner.integration.sglang import staged_send
 
     set_mooncake_defaults(QUIET_ENV, TCP_ONLY_ENV)
     pool_pages = num_pages + SPARE_PAGES + num_pages % RUN_PAGES
-    peer_bytes = buffers * (pool_pages + num_pages) * ITEM_LEN  # the KV pool, then the region
+    peer_bytes = buffers * (pool_pages + num_pages) * item_len  # the KV pool, then the region
     with knobs(STAGING_KNOBS), live_peer(peer_bytes) as peer:
         try:
-            bench = StagedSendBench(num_pages, buffers, peer)
+            bench = StagedSendBench(num_pages, buffers, peer, item_len)
             landed = bench.verify() if verify else None
             counts = bench.counts()
             statuses = {name: count["status"] for name, count in counts.items()}
@@ -478,7 +486,8 @@ def measure(
         "tokens": num_pages * PAGE_SIZE,
         "buffers": buffers,
         "page_size": PAGE_SIZE,
-        "item_len": ITEM_LEN,
+        "item_len": item_len,
+        "mean_descriptor_bytes": counts["hook"]["bytes"] / counts["hook"]["descriptors"],
         "slot_bytes": slot_bytes,
         "figures": figures,
         "staged_wall_s": staged_s,
@@ -508,9 +517,17 @@ def main() -> None:
     parser.add_argument("--buffers", type=int, default=BUFFERS)
     parser.add_argument("--budget-s", type=float, default=10.0, help="per variant")
     parser.add_argument("--verify", action="store_true", help="check what lands, first")
+    parser.add_argument(
+        "--item-lens", type=int, nargs="+", default=[ITEM_LEN],
+        help="bytes per page of each buffer; several: one run each (where staging starts to pay)",
+    )  # fmt: skip
     args = parser.parse_args()
     os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
-    print(json.dumps(measure(args.pages, args.buffers, args.budget_s, args.verify), indent=1))
+    results = [
+        measure(args.pages, args.buffers, args.budget_s, args.verify, item_len)
+        for item_len in args.item_lens
+    ]
+    print(json.dumps(results[0] if len(results) == 1 else results, indent=1))
 
 
 if __name__ == "__main__":

@@ -238,6 +238,15 @@ STAGING_MIN_DESCRIPTORS = Setting(
     "a prefill writes a send through the decode's receive staging only when it would "
     "otherwise take at least this many descriptors (fewer: sent as planned, counted)",
 )
+STAGING_MAX_MEAN_BYTES = Setting(
+    "GPU_PLANNER_STAGING_MAX_MEAN_BYTES",
+    16 << 10,
+    _count(1),
+    "an integer >= 1",
+    "a prefill writes a send through the decode's receive staging only when its descriptors "
+    "would average at most this many bytes (larger ones already fill the wire: sent as "
+    "planned, counted)",
+)
 BATCH_TIMEOUT_S = Setting(
     "GPU_PLANNER_BATCH_TIMEOUT_S",
     60.0,
@@ -266,6 +275,7 @@ SETTINGS: tuple[Setting, ...] = (
     GATHER_STAGING_BYTES,
     RECEIVE_STAGING_BYTES,
     STAGING_MIN_DESCRIPTORS,
+    STAGING_MAX_MEAN_BYTES,
     BATCH_TIMEOUT_S,
     MAX_ABANDONED_CALLS,
 )

@@ -8,7 +8,9 @@ gpu_planner decode added, checked, and leave sglang's result as it is. A
 plain sglang decode adds nothing, so its sends never take this path.
 
 A generic send whose plan has at least `GPU_PLANNER_STAGING_MIN_DESCRIPTORS`
-descriptors, toward a decode that lent its request a part, is gathered page
+descriptors of at most `GPU_PLANNER_STAGING_MAX_MEAN_BYTES` on average (the
+gate: larger descriptors already fill the wire, see docs/benchmarks.md),
+toward a decode that lent its request a part, is gathered page
 by page of every buffer into the prefill's registered send staging (the
 gathered path's slots), written with one descriptor per slot-sized piece of
 pages into the part, and then named to the decode in a `Staged` note on the
@@ -210,14 +212,17 @@ def send_staged(
         0 or the first failing engine status; None before any byte moved when
         staging does not apply (counted where the decode had offered it).
     """
-    if descriptors < settings.loaded(settings.STAGING_MIN_DESCRIPTORS):
-        return None
     with _lock:
         offered = session in _peers
     if not offered or not src_pages.size:
         return None
     if dst_pages.size != src_pages.size:
         return _not_staged("page lists of unequal lengths")
+    page_lens = entries.src_page_lens
+    chunk_page_bytes = int(page_lens.sum())
+    below_gate = _below_gate(descriptors, src_pages.size * chunk_page_bytes)
+    if below_gate is not None:
+        return _not_staged(below_gate)
     started = time.perf_counter()
     found = route_for(dst_pages)
     if found is None:
@@ -239,8 +244,6 @@ def send_staged(
     staging = staging_for(manager)
     if isinstance(staging, str):
         return _not_staged(f"no send staging: {staging}")
-    page_lens = entries.src_page_lens
-    chunk_page_bytes = int(page_lens.sum())
     pages_per_slot = staging.slot_bytes // chunk_page_bytes
     if pages_per_slot == 0:
         return _not_staged(f"a page of every buffer ({chunk_page_bytes} bytes) exceeds a slot")
@@ -304,6 +307,15 @@ def send_staged(
     )
     _notify(manager, route, staged)
     return 0
+
+
+def _below_gate(descriptors: int, nbytes: int) -> str | None:
+    """Why a send of `descriptors` moving `nbytes` does not pay for staging; None if it does."""
+    if descriptors < settings.loaded(settings.STAGING_MIN_DESCRIPTORS):
+        return f"below the gate: fewer than {settings.STAGING_MIN_DESCRIPTORS.name} descriptors"
+    if nbytes > descriptors * settings.loaded(settings.STAGING_MAX_MEAN_BYTES):
+        return f"below the gate: mean descriptor above {settings.STAGING_MAX_MEAN_BYTES.name}"
+    return None
 
 
 def _decode_entries(

@@ -49,18 +49,6 @@ def layered_model(tmp_path_factory) -> Path:
     return write_tiny_llama(tmp_path_factory.mktemp("tiny-llama-16"), seed=1, layers=16)
 
 
-@pytest.fixture(scope="session")
-def layered_reference_tokens(layered_model, server_logs) -> dict[tuple[int, ...], tuple[int, ...]]:
-    """Greedy tokens of the receive-staging prompts from a plain server of `layered_model`."""
-    from tests.e2e.e2e_scenarios import STAGING_PROMPTS
-
-    spec = sglang_spec("plain-16", layered_model, 16, "plain", "--max-total-tokens", "4096")
-    with servers_running([spec], server_logs) as servers:
-        url = servers["plain-16"].url
-        generations = generate_all(lambda ids: generate(url, ids), STAGING_PROMPTS, CONCURRENCY)
-    return {tuple(p): g.output_ids for p, g in zip(STAGING_PROMPTS, generations, strict=True)}
-
-
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_makereport(item, call):
     """Name the server log folder in the report of a failing e2e test."""

@@ -12,6 +12,9 @@ sglang plugin. The flags below are what sglang 0.5.23 needs on a CPU machine:
 `SGLANG_USE_CPU_ENGINE=1` with the torch-native attention backend, no CUDA
 graphs, no overlap scheduler (a prefix-cache hit under it records a CUDA
 event), and on decode no retraction backup (it calls `torch.cuda.cudart()`).
+`--sleep-on-idle` parks a scheduler with nothing queued in a poll of its
+request sockets: otherwise every idle server's scheduler spins a core, and
+servers sharing 2 cores slow each other several-fold.
 The model runs without a tokenizer (`--skip-tokenizer-init`): requests carry
 token ids.
 """
@@ -45,6 +48,7 @@ CPU_FLAGS = (
     "--dtype", "bfloat16",
     "--skip-tokenizer-init",
     "--enable-metrics",
+    "--sleep-on-idle",
 )  # fmt: skip
 PD_FLAGS = ("--disaggregation-transfer-backend", "mooncake_tcp")
 DECODE_FLAGS = (
@@ -76,6 +80,12 @@ class Server:
     def log_tail(self, lines: int = 40) -> str:
         text = self.log_path.read_text(errors="replace").splitlines()
         return "\n".join(text[-lines:])
+
+    def kill(self) -> None:
+        """SIGKILL the whole process group at once (a server that dies), and reap the leader."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.process.pid, signal.SIGKILL)
+        self.process.wait()
 
     def stop(self) -> None:
         """SIGTERM the process group, wait for all of it, SIGKILL what is left after the grace."""

@@ -1,29 +1,45 @@
 """Receive staging in real sglang servers: a 16-layer model, page 16, fragmented pools.
 
-A decode server with the plugin (its receive staging on) and two prefill
-servers sending to it:
+One deployment for every receive-staging scenario (six servers start once):
 
-- `staged-prefill` (plugin, staging gate at 1 descriptor): fragmented sends
-  of 32 KV buffers are gathered into the decode's region and scattered there:
-  the tokens must equal a plain server's, and `/metrics` must show staged
-  sends (prefill) and scatters (decode), no chunk refused.
-- `plain-prefill` (`GPU_PLANNER_DISABLE=1`) to the plugin decode: a mixed
-  deployment, today's protocol, identical tokens, nothing staged.
+- decodes: `staging` (the plugin, its receive staging on), `killed` (the
+  same, killed mid-transfer by the last test) and `plain`
+  (`GPU_PLANNER_DISABLE=1`: sglang's own code);
+- prefills: `staged` (the plugin, staging gate at 1 descriptor), `plain`
+  (`GPU_PLANNER_DISABLE=1`) and `tp2` (the plugin, TP 2: each rank holds one
+  of the model's two KV heads, a share of every decode token slot).
 
-The corruption control leaves one staged page out of one scatter on the
-decode (test scaffolding): the tokens must change, and the next request is
-right again. TP-down and a plain decode: `test_staging_servers_tp_down.py`.
+The plain prefill through the plain decode is plain sglang: its tokens are
+what every TP 1 pairing must give. The staged prefill's fragmented sends of
+32 KV buffers are gathered into the staging decode's region and scattered
+there; either plugin peer paired with a plain one keeps today's protocol and
+stages nothing. TP 2 -> 1 staged must equal the same TP 2 prefill through the
+plain decode (not a TP 1 server: a TP 2 prefill's all-reduce rounds bf16
+otherwise). The corruption control leaves one staged page out of one scatter
+(test scaffolding) and the tokens change. Last, a decode killed while a
+staged request is between its chunks: the prefill's request fails, and its
+next requests to a healthy staging decode are staged and right.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
+import random
+import time
 from pathlib import Path
 
 import pytest
 
 from tests.e2e.e2e_checks import assert_same_tokens
-from tests.e2e.e2e_client import Generation, generate_all, generate_pd, server_metrics
+from tests.e2e.e2e_client import (
+    REQUEST_TIMEOUT_S,
+    Generation,
+    generate_all,
+    generate_pd,
+    sampling,
+    server_metrics,
+)
 from tests.e2e.e2e_scenarios import (
     CONCURRENCY,
     POOL_TOKENS,
@@ -32,89 +48,190 @@ from tests.e2e.e2e_scenarios import (
     prefill_spec,
 )
 from tests.e2e.e2e_servers import Server, servers_running, sglang_spec
-from tests.e2e.scaffolding.e2e_sglang_scaffolding import CORRUPT_SCATTER_FLAG_ENV
+from tests.e2e.scaffolding.e2e_sglang_scaffolding import (
+    CORRUPT_SCATTER_FLAG_ENV,
+    STALL_STAGED_FLAG_ENV,
+)
 
 pytestmark = pytest.mark.e2e
 
 PAGE_SIZE = 16
 BATCH_PAGES = 1024  # sglang's default: staging, not batch cuts, is what this module checks
 PROMPTS = STAGING_PROMPTS[:-1]  # 12 mixed prompts (5 to 333 tokens); the last is the control
+TP2_PROMPTS = PROMPTS[:6]  # TP 2 on two cores is slow
 STAGED = {"GPU_PLANNER_STAGING_MIN_DESCRIPTORS": "1"}
-
-
-def staged_sends(url: str) -> float:
-    """`gpu_planner:sends_total{hook=staged}` on a server's /metrics."""
-    return sum(value for key, value in server_metrics(url).items() if "hook=staged" in key)
+PLAIN = {"GPU_PLANNER_DISABLE": "1"}
+DEAD_PEER_FAILS_WITHIN_S = 120.0  # the prefill's request, once its decode is gone
 
 
 @dataclasses.dataclass
 class Deployment:
-    decode: Server
-    staged: Server
-    plain: Server
-    corrupt_flag: Path  # create it to corrupt the decode's next scatter
+    decodes: dict[str, Server]
+    prefills: dict[str, Server]
+    corrupt_flag: Path  # create it to corrupt the staging decode's next scatter
+    stall_flag: Path  # create it to hold the staged prefill after its next staged send
 
-    def send(self, prefill: Server, prompts) -> list[Generation]:
+    def send(self, prefill: str, decode: str, prompts) -> list[Generation]:
+        source, sink = self.prefills[prefill], self.decodes[decode]
+
         def one(ids):
-            return generate_pd(prefill.url, prefill.bootstrap_port, self.decode.url, ids)
+            return generate_pd(source.url, source.bootstrap_port, sink.url, ids)
 
         return generate_all(one, prompts, CONCURRENCY)
 
+    def staged_sends(self, prefill: str) -> float:
+        """`gpu_planner:sends_total{hook=staged}` on a prefill's /metrics."""
+        metrics = server_metrics(self.prefills[prefill].url)
+        return sum(value for key, value in metrics.items() if "hook=staged" in key)
+
 
 @pytest.fixture(scope="module")
-def deployment(layered_model, layered_reference_tokens, server_logs, tmp_path_factory):
-    flag = tmp_path_factory.mktemp("scatter-control") / "corrupt-next-scatter"
+def deployment(layered_model, server_logs, tmp_path_factory):
+    flags = tmp_path_factory.mktemp("staging-flags")
+    corrupt_flag, stall_flag = flags / "corrupt-next-scatter", flags / "stall-next-staged"
+    pool = ("--max-total-tokens", str(POOL_TOKENS))
+    decode_env = {"staging": {CORRUPT_SCATTER_FLAG_ENV: str(corrupt_flag)}, "killed": {},
+                  "plain": PLAIN}  # fmt: skip
     specs = [
-        sglang_spec(
-            "staging-decode", layered_model, PAGE_SIZE, "decode",
-            "--max-total-tokens", str(POOL_TOKENS), env={CORRUPT_SCATTER_FLAG_ENV: str(flag)},
-        ),
-        prefill_spec("staged-prefill", layered_model, PAGE_SIZE, BATCH_PAGES, STAGED),
+        sglang_spec(f"{name}-decode", layered_model, PAGE_SIZE, "decode", *pool, env=env)
+        for name, env in decode_env.items()
+    ]
+    specs += [
         prefill_spec(
-            "plain-prefill", layered_model, PAGE_SIZE, BATCH_PAGES, {"GPU_PLANNER_DISABLE": "1"}
+            "staged-prefill", layered_model, PAGE_SIZE, BATCH_PAGES,
+            {**STAGED, STALL_STAGED_FLAG_ENV: str(stall_flag)},
+        ),
+        prefill_spec("plain-prefill", layered_model, PAGE_SIZE, BATCH_PAGES, PLAIN),
+        sglang_spec(
+            "tp2-prefill", layered_model, PAGE_SIZE, "prefill", *pool, "--tp-size", "2",
+            env={**STAGED, "SGLANG_CPU_OMP_THREADS_BIND": "0|1"},
         ),
     ]  # fmt: skip
     with servers_running(specs, server_logs) as servers:
         yield Deployment(
-            servers["staging-decode"], servers["staged-prefill"], servers["plain-prefill"], flag
+            {name: servers[f"{name}-decode"] for name in decode_env},
+            {name: servers[f"{name}-prefill"] for name in ("staged", "plain", "tp2")},
+            corrupt_flag,
+            stall_flag,
         )
 
 
 @pytest.fixture(scope="module")
-def generations(deployment) -> dict[str, list[Generation]]:
-    return {
-        "staged": deployment.send(deployment.staged, PROMPTS),
-        "plain prefill": deployment.send(deployment.plain, PROMPTS),
-    }
+def plain_tokens(deployment) -> dict[tuple[int, ...], tuple[int, ...]]:
+    """Plain sglang's greedy tokens (plain prefill, plain decode) of every prompt here."""
+    prompts = [*PROMPTS, STAGING_CONTROL_PROMPT]
+    generations = deployment.send("plain", "plain", prompts)
+    return {tuple(p): g.output_ids for p, g in zip(prompts, generations, strict=True)}
 
 
-def test_staged_tokens_equal_a_plain_servers(generations, layered_reference_tokens):
-    assert_same_tokens("staged", PROMPTS, generations["staged"], layered_reference_tokens)
-
-
-def test_staged_sends_and_scatters_are_counted(deployment, generations):
-    staged = staged_sends(deployment.staged.url)
+def test_staged_tokens_equal_plain_sglangs(deployment, plain_tokens):
+    before = deployment.staged_sends("staged")
+    generations = deployment.send("staged", "staging", PROMPTS)
+    assert_same_tokens("staged", PROMPTS, generations, plain_tokens)
+    staged = deployment.staged_sends("staged") - before
     assert staged >= len(PROMPTS)
-    decode = server_metrics(deployment.decode.url)
+    decode = server_metrics(deployment.decodes["staging"].url)
     assert decode["gpu_planner:staged_scatters_total"] >= staged, decode
     assert not [key for key in decode if "refused" in key], decode
 
 
-def test_a_plain_prefill_to_a_staging_decode_keeps_todays_protocol(
-    deployment, generations, layered_reference_tokens
-):
-    tokens = generations["plain prefill"]
-    assert_same_tokens("plain prefill", PROMPTS, tokens, layered_reference_tokens)
-    assert server_metrics(deployment.plain.url) == {}
+def test_a_plain_prefill_to_a_staging_decode_keeps_todays_protocol(deployment, plain_tokens):
+    scatters = server_metrics(deployment.decodes["staging"].url)
+    generations = deployment.send("plain", "staging", PROMPTS)
+    assert_same_tokens("plain prefill", PROMPTS, generations, plain_tokens)
+    assert server_metrics(deployment.prefills["plain"].url) == {}
+    decode = server_metrics(deployment.decodes["staging"].url)
+    assert (
+        decode["gpu_planner:staged_scatters_total"] == scatters["gpu_planner:staged_scatters_total"]
+    )
 
 
-def test_a_skipped_scatter_changes_the_tokens(deployment, generations, layered_reference_tokens):
+def test_a_plugin_prefill_to_a_plain_decode_stages_nothing(deployment, plain_tokens):
+    before = deployment.staged_sends("staged")
+    generations = deployment.send("staged", "plain", TP2_PROMPTS)
+    assert_same_tokens("plugin prefill", TP2_PROMPTS, generations, plain_tokens)
+    assert deployment.staged_sends("staged") == before
+    assert server_metrics(deployment.decodes["plain"].url) == {}
+
+
+def test_tp_down_staged_tokens_equal_the_same_prefill_through_a_plain_decode(deployment):
+    todays = deployment.send("tp2", "plain", TP2_PROMPTS)
+    assert deployment.staged_sends("tp2") == 0
+    before = server_metrics(deployment.decodes["staging"].url)["gpu_planner:staged_scatters_total"]
+    generations = deployment.send("tp2", "staging", TP2_PROMPTS)
+    differ = [
+        (len(prompt), got.output_ids, want.output_ids)
+        for prompt, got, want in zip(TP2_PROMPTS, generations, todays, strict=True)
+        if got.output_ids != want.output_ids
+    ]
+    assert not differ, f"TP 2 -> 1 staged: (length, staged, today's): {differ}"
+    assert deployment.staged_sends("tp2") >= len(TP2_PROMPTS)
+    decode = server_metrics(deployment.decodes["staging"].url)
+    assert decode["gpu_planner:staged_scatters_total"] > before, decode
+
+
+def test_a_skipped_scatter_changes_the_tokens(deployment, plain_tokens):
     """The control: one staged page never scattered, other tokens; the next request is right."""
-    expected = layered_reference_tokens[tuple(STAGING_CONTROL_PROMPT)]
+    expected = plain_tokens[tuple(STAGING_CONTROL_PROMPT)]
     deployment.corrupt_flag.touch()
-    [corrupted] = deployment.send(deployment.staged, [STAGING_CONTROL_PROMPT])
+    [corrupted] = deployment.send("staged", "staging", [STAGING_CONTROL_PROMPT])
     assert not deployment.corrupt_flag.exists(), "the scaffolding did not take the flag"
     assert corrupted.output_ids[0] == expected[0]  # the prefill's own token
     assert corrupted.output_ids[1:] != expected[1:]
-    [clean] = deployment.send(deployment.staged, [STAGING_CONTROL_PROMPT])
+    [clean] = deployment.send("staged", "staging", [STAGING_CONTROL_PROMPT])
     assert clean.output_ids == expected
+
+
+def test_a_decode_killed_mid_transfer_fails_the_request_and_spares_the_next(
+    deployment, plain_tokens
+):
+    """The staged prefill writes the first chunk of a 2-chunk request to `killed`, which is
+    then killed: the request fails within a bound, and the prefill goes on staging to others."""
+    prefill, doomed = deployment.prefills["staged"], deployment.decodes["killed"]
+    payload = {
+        "input_ids": list(STAGING_CONTROL_PROMPT),
+        "sampling_params": sampling(),
+        "bootstrap_host": "127.0.0.1",
+        "bootstrap_port": prefill.bootstrap_port,
+        "bootstrap_room": random.getrandbits(63),
+    }
+    written = Path(f"{deployment.stall_flag}.written")
+    deployment.stall_flag.touch()
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        prefill_reply = pool.submit(_post_reply, prefill.url, payload)
+        decode_reply = pool.submit(_post_reply, doomed.url, payload)
+        deadline = time.monotonic() + REQUEST_TIMEOUT_S
+        while not written.exists():
+            assert time.monotonic() < deadline, "the staged prefill never wrote the first chunk"
+            assert not prefill_reply.done(), prefill_reply.result()
+            time.sleep(0.05)
+        doomed.kill()
+        killed_at = time.monotonic()
+        Path(f"{deployment.stall_flag}.go").touch()
+        status, body = prefill_reply.result(timeout=DEAD_PEER_FAILS_WITHIN_S)
+        failed_after_s = time.monotonic() - killed_at
+        decode_status, _ = decode_reply.result()
+    assert decode_status is None  # the killed decode never answered
+    finish = body.get("meta_info", {}).get("finish_reason", {}) if isinstance(body, dict) else {}
+    assert status != 200 or finish.get("type") == "abort", (status, body)
+    assert failed_after_s < DEAD_PEER_FAILS_WITHIN_S
+    before = deployment.staged_sends("staged")
+    generations = deployment.send("staged", "staging", TP2_PROMPTS)
+    assert_same_tokens("after the kill", TP2_PROMPTS, generations, plain_tokens)
+    assert deployment.staged_sends("staged") - before >= len(TP2_PROMPTS)
+    prefill_metrics = server_metrics(prefill.url)
+    assert not [key for key in prefill_metrics if "lent to other sends" in key], prefill_metrics
+
+
+def _post_reply(url: str, payload: dict) -> tuple[int | None, object]:
+    """(HTTP status, JSON body or text) of a /generate; (None, the error) if the server died."""
+    import requests
+
+    try:
+        response = requests.post(url + "/generate", json=payload, timeout=REQUEST_TIMEOUT_S)
+    except requests.RequestException as error:
+        return None, error
+    try:
+        return response.status_code, response.json()
+    except ValueError:
+        return response.status_code, response.text

@@ -270,6 +270,38 @@ def test_a_plain_decode_gets_todays_descriptors(engines, monkeypatch):
         staged_send.forget_peers()
 
 
+@pytest.mark.parametrize(
+    ("knob", "value", "reason"),
+    [
+        (settings.STAGING_MIN_DESCRIPTORS, "1000", "fewer than {} descriptors"),
+        (settings.STAGING_MAX_MEAN_BYTES, "511", "mean descriptor above {}"),
+    ],
+)
+def test_a_send_below_the_gate_goes_as_planned_counted(
+    deployments, monkeypatch, knob, value, reason
+):
+    """Toward a decode that lent the request a part: fewer descriptors (32 pages in runs of
+    about 2 of 8 buffers: at most 256), or larger ones on average (512 B), than the gate
+    sends today's descriptors, counted."""
+    set_knob(monkeypatch, knob.name, value)
+    settings.load()
+    deployment = deployments([256] * 8, 0, seed=5)
+    rng = np.random.default_rng(7)
+    src_pages, host_pages = fragmented(rng, 32, np.int64), fragmented(rng, 32)
+    expected = deployment.sglang_bytes(src_pages, host_pages, None)
+    info = deployment.request(12, host_pages, None)
+    before = counters.snapshot()
+    assert deployment.send(info, src_pages, slice(0, 32)) == 0
+    after = counters.snapshot()
+    assert not deployment.notes
+    assert after["sends"].get("generic/arrays", 0) - before["sends"].get("generic/arrays", 0) == 1
+    key = f"not staged: below the gate: {reason.format(knob.name)}"
+    assert after["fallbacks"].get(key, 0) - before["fallbacks"].get(key, 0) == 1
+    np.testing.assert_array_equal(deployment.destination.tensor.numpy(), expected)
+    deployment.deliver(12)
+    assert receive_staging.existing_region(deployment.decode).lent_rooms == 0
+
+
 @pytest.mark.parametrize("order", [(0, 1), (1, 0)])
 def test_two_tp_down_writers_each_land_their_heads_in_every_token_slot(engines, monkeypatch, order):
     """Prefill TP 2 -> decode TP 1: each prefill rank holds half of every decode token slot."""

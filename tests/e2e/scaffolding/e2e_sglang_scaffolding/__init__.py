@@ -25,6 +25,11 @@ this folder on PYTHONPATH; nothing is installed). It does two things:
   appears leaves its last page out (gpu_planner's `receive_staging` module is
   patched), and the file is deleted: the staged bytes arrived, one page of them
   never reaches the KV pool.
+- The killed-decode check: when `E2E_STALL_STAGED_FLAG` names a file, the
+  prefill's next staged send after that file appears writes its chunk and
+  sends its note, then creates `<flag>.written` and holds its transfer
+  thread until `<flag>.go` exists (at most `STALL_LIMIT_S`): the test kills
+  the decode in between, so the request's next chunk meets a dead peer.
 """
 
 from __future__ import annotations
@@ -32,9 +37,13 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import time
+from pathlib import Path
 
 CORRUPT_FLAG_ENV = "E2E_CORRUPT_FLAG"
 CORRUPT_SCATTER_FLAG_ENV = "E2E_CORRUPT_SCATTER_FLAG"
+STALL_STAGED_FLAG_ENV = "E2E_STALL_STAGED_FLAG"
+STALL_LIMIT_S = 120.0
 SEND_KVCACHE = "sglang.srt.disaggregation.mooncake.conn.MooncakeKVManager.send_kvcache"
 MODEL_PARALLEL_GROUP = "sglang.srt.distributed.parallel_state.init_model_parallel_group"
 
@@ -58,6 +67,10 @@ def register() -> None:
         receive_staging.scatter_head_slices = _corrupting_scatter(
             receive_staging.scatter_head_slices
         )
+    if os.environ.get(STALL_STAGED_FLAG_ENV):
+        from gpu_planner.integration.sglang import staged_send
+
+        staged_send._notify = _stalling_notify(staged_send._notify)
 
 
 def without_pynccl(original, *args, **kwargs):
@@ -86,6 +99,23 @@ def _corrupting_scatter(scatter):
         return scatter(layout, dst_pages, *args, dst_device_pages=dst_device_pages, **kwargs)
 
     return scatter_head_slices
+
+
+def _stalling_notify(notify):
+    """`notify`, then once the flag file exists: say so, and hold until told to go."""
+
+    def stalling_notify(*args, **kwargs):
+        notify(*args, **kwargs)
+        flag = os.environ[STALL_STAGED_FLAG_ENV]
+        if _claim_flag(flag):
+            logger.warning("e2e scaffolding: a staged send written; holding its thread")
+            Path(f"{flag}.written").touch()
+            go = Path(f"{flag}.go")
+            deadline = time.monotonic() + STALL_LIMIT_S
+            while not go.exists() and time.monotonic() < deadline:
+                time.sleep(0.05)
+
+    return stalling_notify
 
 
 def _claim_flag(path: str) -> bool:
