@@ -1,25 +1,41 @@
-"""A real sglang prefill/decode deployment with and without the plugin: TTFT and transfer time.
+"""A real sglang prefill/decode deployment, staged, hooked and sglang's own: TTFT and transfer.
 
-One decode server and two prefill servers that send to it over Mooncake (TCP
-on 127.0.0.1), the same deployment as the e2e suite (`tests/e2e`, whose server
-harness, tiny random Llama and CPU scaffolding this reuses): one prefill with
-the plugin, one with `GPU_PLANNER_DISABLE=1` (sglang's own planning). Each
-prompt length, up to what the prefill's KV pool holds, is sent `--repeats`
-times to each prefill, one request at a time, the two prefills taking turns
-(and turns about who goes first), each request a fresh prompt. Per request:
+One decode server (the plugin, its receive staging on) and three prefill
+servers that send to it over Mooncake (TCP on 127.0.0.1), the same deployment
+as the e2e suite (`tests/e2e`, whose server harness, tiny random Llama and
+CPU scaffolding this reuses):
+
+- `staged`: the plugin at its defaults: a send that passes the staging gate
+  goes through the decode's receive staging;
+- `hook`: the plugin with staging out of reach
+  (`GPU_PLANNER_STAGING_MIN_DESCRIPTORS` above any send): today's hooked send;
+- `sglang`: `GPU_PLANNER_DISABLE=1`, sglang's own planning (a plain prefill
+  to a plugin decode: sglang's protocol).
+
+Each prompt length, up to what the prefill's KV pool holds, is sent
+`--repeats` times to each prefill, one request at a time, the prefills taking
+turns (and turns about who goes first), each request a fresh prompt. With
+`--fragment`, each round starts with a burst of concurrent mixed-length
+prompts (shared prefixes) through every prefill, whose radix cache then holds
+pages all over its pool: the measured requests get fragmented page lists, as
+a busy server's do. Per request:
 
 - `ttft`: from sending until decode streams the first token (client side);
 - `transfer`: the prefill's own KV transfer time for the request, from the
   increase of sglang's `sglang:kv_transfer_latency_ms` histogram (transfer
   queue entry to completion, whole prompt in one chunk here);
 - `plan`: the plugin's planning time (`gpu_planner:plan_seconds_total`), and
-  `descriptors` handed to Mooncake (plugin prefill only).
+  `descriptors` handed to Mooncake (plugin prefills only; a staged send
+  counts one per piece).
 
-On a CPU with TCP the model and Mooncake's transport dominate both figures;
-the point is a real-deployment figure that a GPU run repeats (there sglang's
-CPU scaffolding and CPU flags in `tests/e2e/e2e_servers.py` give way to the
-GPU defaults). Run: `python -m bench.deployment [--lengths 64 1024 3584]
-[--repeats 5]`; writes `bench/results/deployment.{json,png}`.
+`--layers` sets the model's depth (KV buffers = 2 x layers), `--prefill-tp 2`
+runs every prefill at TP 2 (each rank a share of every decode token slot:
+TP-down). On a CPU with TCP the model and Mooncake's transport dominate both
+figures; the point is a real-deployment figure that a GPU run repeats (there
+sglang's CPU scaffolding and CPU flags in `tests/e2e/e2e_servers.py` give way
+to the GPU defaults). Run: `python -m bench.deployment [--lengths 64 1024 3584]
+[--repeats 5] [--layers 16 --fragment] [--prefill-tp 2]`; writes
+`bench/results/deployment.{json,png}`.
 """
 
 from __future__ import annotations
@@ -32,10 +48,18 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from bench.harness import Timing
 from bench.plot import write_panels
 from bench.report import format_seconds, machine_info, write_json
-from tests.e2e.e2e_client import first_token_pd, prompt_set, server_metrics
+from tests.e2e.e2e_client import (
+    first_token_pd,
+    generate_all,
+    generate_pd,
+    prompt_set,
+    server_metrics,
+)
 from tests.e2e.e2e_model import write_tiny_llama
 from tests.e2e.e2e_servers import Server, ServerSpec, servers_running, sglang_spec
 
@@ -43,7 +67,15 @@ PAGE_SIZE = 16
 PREFILL_POOL_TOKENS = 4096  # the longest prompt must fit, with room for its output
 DECODE_POOL_TOKENS = 8192  # decode also reserves 512 tokens for running requests
 DEFAULT_LENGTHS = (64, 256, 1024, 2048, 3584)
-VARIANTS = ("plugin", "sglang")
+VARIANTS = ("staged", "hook", "sglang")
+VARIANT_ENV = {
+    "staged": {},
+    "hook": {"GPU_PLANNER_STAGING_MIN_DESCRIPTORS": str(1 << 62)},
+    "sglang": {"GPU_PLANNER_DISABLE": "1"},
+}
+# --fragment: the burst before each round (the e2e suite's mixed lengths and shared prefix)
+FRAGMENT_LENGTHS = (5, 17, 40, 64, 90, 97, 120, 150, 200, 260, 300, 333, 410, 480, 31, 128)
+FRAGMENT_PREFIX, FRAGMENT_CONCURRENCY = 96, 8
 TRANSFER_LATENCY = "sglang:kv_transfer_latency_ms"
 
 
@@ -93,79 +125,112 @@ def one_request(prefill: Server, decode: Server, prompt: Sequence[int]) -> dict[
     }
 
 
+def fragment(prefill: Server, decode: Server, seed: int) -> None:
+    """A burst of concurrent mixed-length prompts through `prefill`: its radix cache keeps
+    their pages, scattered over its pool, so the next requests' pages fragment."""
+    prompts = prompt_set(seed=seed, lengths=FRAGMENT_LENGTHS, shared_prefix=FRAGMENT_PREFIX)
+
+    def one(ids):
+        return generate_pd(prefill.url, prefill.bootstrap_port, decode.url, ids)
+
+    generate_all(one, prompts, FRAGMENT_CONCURRENCY)
+
+
 def measure(
-    prefills: dict[str, Server], decode: Server, lengths: Sequence[int], repeats: int
+    prefills: dict[str, Server],
+    decode: Server,
+    lengths: Sequence[int],
+    repeats: int,
+    fragmented: bool = False,
 ) -> list[dict[str, Any]]:
-    """Per prompt length and variant: Timing of ttft, transfer and plan; descriptors per request."""
-    samples = {(n, v): [] for n in lengths for v in VARIANTS}
-    for variant in VARIANTS:  # warm-up: the first requests of a server are slow
+    """Per prompt length and variant: Timing of ttft, transfer and plan; descriptors per request
+    (the median); with `fragmented`, a `fragment` burst through every prefill before each round."""
+    variants = list(prefills)
+    samples = {(n, v): [] for n in lengths for v in variants}
+    for variant in variants:  # warm-up: the first requests of a server are slow
         one_request(prefills[variant], decode, prompt_set(seed=10**6, lengths=(64,))[0])
     for repeat in range(repeats):
+        if fragmented:
+            for variant in variants:  # the same burst for each
+                fragment(prefills[variant], decode, seed=2 * 10**6 + repeat)
         for length in lengths:
             [prompt] = prompt_set(seed=repeat * 100_000 + length, lengths=(length,))
-            order = VARIANTS if (repeat + length) % 2 == 0 else VARIANTS[::-1]
+            order = variants if (repeat + length) % 2 == 0 else variants[::-1]
             for variant in order:  # the same prompt: each prefill has its own prefix cache
                 samples[length, variant].append(one_request(prefills[variant], decode, prompt))
     results = []
     for length in lengths:
         result: dict[str, Any] = {"prompt_tokens": length}
-        for variant in VARIANTS:
+        for variant in variants:
             rows = samples[length, variant]
             result[variant] = {
                 figure: Timing.from_samples([row[figure] for row in rows]).as_dict()
                 for figure in ("ttft", "transfer", "plan")
             }
-            result[variant]["descriptors"] = rows[0]["descriptors"]
+            result[variant]["descriptors"] = float(np.median([row["descriptors"] for row in rows]))
+        if {"staged", "sglang"} <= set(variants):
+            staged = result["staged"]["transfer"]["median"]
+            result["sglang/staged_transfer"] = result["sglang"]["transfer"]["median"] / staged
+            if "hook" in variants:
+                result["hook/staged_transfer"] = result["hook"]["transfer"]["median"] / staged
         results.append(result)
     return results
 
 
 def format_results(results: list[dict[str, Any]]) -> str:
-    """A text table: one row per prompt length, medians [p10-p90] of both variants."""
+    """A text table: one row per prompt length and variant, medians [p10-p90]."""
 
     def cell(timing: dict[str, float]) -> str:
         spread = f"{format_seconds(timing['p10'])}-{format_seconds(timing['p90'])}"
         return f"{format_seconds(timing['median'])} [{spread}]"
 
-    header = ["tokens", "descriptors", "TTFT plugin", "TTFT sglang", "transfer plugin",
-              "transfer sglang", "plan (plugin)"]  # fmt: skip
-    rows = [
-        [
-            str(r["prompt_tokens"]),
-            f"{r['plugin']['descriptors']:.0f}",
-            cell(r["plugin"]["ttft"]),
-            cell(r["sglang"]["ttft"]),
-            cell(r["plugin"]["transfer"]),
-            cell(r["sglang"]["transfer"]),
-            cell(r["plugin"]["plan"]),
-        ]
-        for r in results
-    ]
+    header = ["tokens", "variant", "descriptors", "TTFT", "transfer", "plan"]
+    rows = []
+    for result in results:
+        for variant in (v for v in VARIANTS if v in result):
+            figures = result[variant]
+            rows.append([
+                str(result["prompt_tokens"]), variant, f"{figures['descriptors']:.0f}",
+                cell(figures["ttft"]), cell(figures["transfer"]), cell(figures["plan"]),
+            ])  # fmt: skip
     widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
     return "\n".join(
         "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)) for row in [header, *rows]
     )
 
 
-def deployment_specs(model: Path) -> list[ServerSpec]:
-    """Decode, the plugin's prefill and sglang's prefill (`GPU_PLANNER_DISABLE=1`)."""
+def deployment_specs(model: Path, prefill_tp: int = 1) -> list[ServerSpec]:
+    """The decode (the plugin, receive staging on) and one prefill per variant."""
     prefill_args = ("--max-total-tokens", str(PREFILL_POOL_TOKENS))
     prefill_args += ("--chunked-prefill-size", str(PREFILL_POOL_TOKENS))  # one transfer each
+    tp_env = {}
+    if prefill_tp > 1:
+        prefill_args += ("--tp-size", str(prefill_tp))
+        tp_env = {"SGLANG_CPU_OMP_THREADS_BIND": "|".join(map(str, range(prefill_tp)))}
     decode_args = ("--max-total-tokens", str(DECODE_POOL_TOKENS))
     return [
         sglang_spec("decode", model, PAGE_SIZE, "decode", *decode_args),
-        sglang_spec("plugin", model, PAGE_SIZE, "prefill", *prefill_args),
-        sglang_spec(
-            "sglang", model, PAGE_SIZE, "prefill", *prefill_args,
-            env={"GPU_PLANNER_DISABLE": "1"},
+        *(
+            sglang_spec(
+                variant,
+                model,
+                PAGE_SIZE,
+                "prefill",
+                *prefill_args,
+                env={**VARIANT_ENV[variant], **tp_env},
+            )  # fmt: skip
+            for variant in VARIANTS
         ),
-    ]  # fmt: skip
+    ]
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.deployment", description=__doc__)
     parser.add_argument("--lengths", type=int, nargs="+", default=list(DEFAULT_LENGTHS))
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--layers", type=int, default=2, help="decoder layers of the tiny model")
+    parser.add_argument("--prefill-tp", type=int, default=1, choices=(1, 2))
+    parser.add_argument("--fragment", action="store_true", help="a burst before each round")
     parser.add_argument("--out", type=Path, default=Path("bench/results"), help="output folder")
     parser.add_argument("--name", default="deployment", help="stem of the JSON/PNG files")
     args = parser.parse_args(argv)
@@ -176,14 +241,19 @@ def main(argv: list[str] | None = None) -> int:
         )
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="bench-deployment-") as scratch:
-        model = write_tiny_llama(Path(scratch) / "model", seed=0)
+        model = write_tiny_llama(Path(scratch) / "model", seed=0, layers=args.layers)
         logs = args.out / f"{args.name}-logs"
         logs.mkdir(parents=True, exist_ok=True)
-        with servers_running(deployment_specs(model), logs) as servers:
+        with servers_running(deployment_specs(model, args.prefill_tp), logs) as servers:
             prefills = {variant: servers[variant] for variant in VARIANTS}
-            results = measure(prefills, servers["decode"], args.lengths, args.repeats)
+            results = measure(
+                prefills, servers["decode"], args.lengths, args.repeats, args.fragment
+            )
     duration_s = time.perf_counter() - started
     print(format_results(results))
+    for result in results:
+        ratios = {k: f"{v:.2f}x" for k, v in result.items() if k.endswith("_transfer")}
+        print(f"{result['prompt_tokens']} tokens, transfer medians: {ratios}")
     document = {
         "machine": machine_info(),
         "settings": {**{k: str(v) for k, v in vars(args).items()}, "page_size": PAGE_SIZE},

@@ -125,10 +125,12 @@ def receive_staging() -> Section:
         if nbytes == 0
         else f"on: {nbytes} bytes ({nbytes / 2**20:g} MiB) per decode KV manager"
     )
-    gate = settings.loaded(settings.STAGING_MIN_DESCRIPTORS)
+    count = settings.loaded(settings.STAGING_MIN_DESCRIPTORS)
+    mean = settings.loaded(settings.STAGING_MAX_MEAN_BYTES)
+    gate = f"sends of >= {count} descriptors of <= {mean} bytes on average"
     return [
         ("decode region", region),
-        ("prefill stages", f"sends of >= {gate} descriptors to decodes that offer staging"),
+        ("prefill stages", f"{gate}, to decodes that offer staging"),
     ]
 
 

@@ -67,9 +67,10 @@ def test_two_mooncake_builds_are_flagged(monkeypatch):
 def test_info_says_whether_receive_staging_is_on_and_its_size(capsys, monkeypatch):
     monkeypatch.setenv(settings.RECEIVE_STAGING_BYTES.name, str(8 << 20))
     monkeypatch.setenv(settings.STAGING_MIN_DESCRIPTORS.name, "100")
+    monkeypatch.setenv(settings.STAGING_MAX_MEAN_BYTES.name, "4096")
     rows = run_info(capsys)
     assert rows["decode region"] == "on: 8388608 bytes (8 MiB) per decode KV manager"
-    assert ">= 100 descriptors" in rows["prefill stages"]
+    assert ">= 100 descriptors of <= 4096 bytes on average" in rows["prefill stages"]
     monkeypatch.setenv(settings.RECEIVE_STAGING_BYTES.name, "0")
     settings.forget_loaded()
     rows = run_info(capsys)
