@@ -240,12 +240,12 @@ STAGING_MIN_DESCRIPTORS = Setting(
 )
 STAGING_MAX_MEAN_BYTES = Setting(
     "GPU_PLANNER_STAGING_MAX_MEAN_BYTES",
-    16 << 10,
+    64 << 10,
     _count(1),
     "an integer >= 1",
     "a prefill writes a send through the decode's receive staging only when its descriptors "
-    "would average at most this many bytes (larger ones already fill the wire: sent as "
-    "planned, counted)",
+    "would average at most this many bytes (larger ones gain less than the gather and scatter "
+    "cost: sent as planned, counted)",
 )
 BATCH_TIMEOUT_S = Setting(
     "GPU_PLANNER_BATCH_TIMEOUT_S",
