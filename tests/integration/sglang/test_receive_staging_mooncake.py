@@ -247,17 +247,21 @@ def test_a_refused_note_fails_the_request_instead_of_landing_partial_kv(deployme
     assert region.lent_rooms == 1  # quarantined: a prefill may still write there
 
 
-def test_a_plain_decode_gets_todays_descriptors(engines, monkeypatch):
+@pytest.mark.parametrize(
+    ("item_lens", "device_buffers"), [([256] * 8, 0), ([192] * 6 + [64] * 2, 2)]
+)  # MHA; HiSparse: two device-backed buffers by their own pages
+def test_a_plain_decode_gets_todays_descriptors(engines, monkeypatch, item_lens, device_buffers):
     """No capability advertised (staging off on the decode): the send is planned as before."""
     set_knob(monkeypatch, settings.RECEIVE_STAGING_BYTES.name, "0")
     set_knob(monkeypatch, settings.STAGING_MIN_DESCRIPTORS.name, "1")
     settings.load()
-    deployment = Deployment(engines, [256] * 8, 0, seed=4)
+    deployment = Deployment(engines, item_lens, device_buffers, seed=4)
     try:
         rng = np.random.default_rng(6)
         src_pages, host_pages = fragmented(rng, 32, np.int64), fragmented(rng, 32)
-        expected = deployment.sglang_bytes(src_pages, host_pages, None)
-        info = deployment.request(11, host_pages, None)
+        device_pages = fragmented(rng, 32) if device_buffers else None
+        expected = deployment.sglang_bytes(src_pages, host_pages, device_pages)
+        info = deployment.request(11, host_pages, device_pages)
         before = counters.snapshot()
         assert deployment.send(info, src_pages, slice(0, 32)) == 0
         assert not deployment.notes
