@@ -104,22 +104,31 @@ class Counts:
         )
 
 
-def one_request(prefill: Server, decode: Server, prompt: Sequence[int]) -> dict[str, float]:
-    """TTFT, transfer, plan seconds and descriptors of one request (nothing else in flight)."""
+def one_request(
+    prefill: Server, decode: Server, prompt: Sequence[int], ranks: int = 1
+) -> dict[str, float]:
+    """TTFT, transfer, plan seconds and descriptors of one request (nothing else in flight).
+
+    Each of the prefill's `ranks` TP ranks records the request's transfer;
+    `transfer` is their mean, `plan` and `descriptors` their sums.
+    """
     before = Counts.read(prefill)
     ttft_s = first_token_pd(prefill.url, prefill.bootstrap_port, decode.url, prompt)
     deadline = time.monotonic() + 30
-    while (after := Counts.read(prefill)).transfers == before.transfers:
+    while (after := Counts.read(prefill)).transfers < before.transfers + ranks:
         if time.monotonic() > deadline:  # the prefill observes it when the transfer completes
             raise TimeoutError(
-                f"{prefill.name} recorded no transfer for a {len(prompt)}-token prompt"
+                f"{prefill.name} recorded {after.transfers - before.transfers} of {ranks} "
+                f"transfers for a {len(prompt)}-token prompt"
             )
         time.sleep(0.05)
-    if after.transfers != before.transfers + 1:
-        raise RuntimeError(f"{prefill.name}: {after.transfers - before.transfers} transfers, not 1")
+    if after.transfers != before.transfers + ranks:
+        raise RuntimeError(
+            f"{prefill.name}: {after.transfers - before.transfers} transfers, not {ranks}"
+        )
     return {
         "ttft": ttft_s,
-        "transfer": (after.transfer_ms - before.transfer_ms) / 1e3,
+        "transfer": (after.transfer_ms - before.transfer_ms) / 1e3 / ranks,
         "plan": after.plan_s - before.plan_s,
         "descriptors": after.descriptors - before.descriptors,
     }
@@ -142,13 +151,14 @@ def measure(
     lengths: Sequence[int],
     repeats: int,
     fragmented: bool = False,
+    ranks: int = 1,
 ) -> list[dict[str, Any]]:
     """Per prompt length and variant: Timing of ttft, transfer and plan; descriptors per request
     (the median); with `fragmented`, a `fragment` burst through every prefill before each round."""
     variants = list(prefills)
     samples = {(n, v): [] for n in lengths for v in variants}
     for variant in variants:  # warm-up: the first requests of a server are slow
-        one_request(prefills[variant], decode, prompt_set(seed=10**6, lengths=(64,))[0])
+        one_request(prefills[variant], decode, prompt_set(seed=10**6, lengths=(64,))[0], ranks)
     for repeat in range(repeats):
         if fragmented:
             for variant in variants:  # the same burst for each
@@ -157,7 +167,8 @@ def measure(
             [prompt] = prompt_set(seed=repeat * 100_000 + length, lengths=(length,))
             order = variants if (repeat + length) % 2 == 0 else variants[::-1]
             for variant in order:  # the same prompt: each prefill has its own prefix cache
-                samples[length, variant].append(one_request(prefills[variant], decode, prompt))
+                sample = one_request(prefills[variant], decode, prompt, ranks)
+                samples[length, variant].append(sample)
     results = []
     for length in lengths:
         result: dict[str, Any] = {"prompt_tokens": length}
@@ -247,8 +258,9 @@ def main(argv: list[str] | None = None) -> int:
         with servers_running(deployment_specs(model, args.prefill_tp), logs) as servers:
             prefills = {variant: servers[variant] for variant in VARIANTS}
             results = measure(
-                prefills, servers["decode"], args.lengths, args.repeats, args.fragment
-            )
+                prefills, servers["decode"], args.lengths, args.repeats, args.fragment,
+                args.prefill_tp,
+            )  # fmt: skip
     duration_s = time.perf_counter() - started
     print(format_results(results))
     for result in results:
