@@ -9,8 +9,9 @@ plain sglang decode adds nothing, so its sends never take this path.
 
 A generic send whose plan has at least `GPU_PLANNER_STAGING_MIN_DESCRIPTORS`
 descriptors of at most `GPU_PLANNER_STAGING_MAX_MEAN_BYTES` on average (the
-gate: larger descriptors already fill the wire, see docs/benchmarks.md),
-toward a decode that lent its request a part, is gathered page
+gate: staging costs a gather and a scatter per byte, which only enough, small
+enough descriptors repay; docs/benchmarks.md measures it), toward a decode
+that lent its request a part, is gathered page
 by page of every buffer into the prefill's registered send staging (the
 gathered path's slots), written with one descriptor per slot-sized piece of
 pages into the part, and then named to the decode in a `Staged` note on the
