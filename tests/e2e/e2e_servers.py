@@ -59,11 +59,20 @@ DECODE_FLAGS = (
 )
 
 
+_HANDED_OUT: set[int] = set()  # ports free_port gave out in this process
+
+
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on now."""
-    with socket.socket() as probe:
-        probe.bind((LOCALHOST, 0))
-        return probe.getsockname()[1]
+    """A TCP port on 127.0.0.1 that nothing listens on now and that this process never handed
+    out before (the kernel may offer a just-closed probe's port again: two servers of one
+    deployment got the same one, and one's bootstrap server answered the other's /health)."""
+    while True:
+        with socket.socket() as probe:
+            probe.bind((LOCALHOST, 0))
+            port = probe.getsockname()[1]
+        if port not in _HANDED_OUT:
+            _HANDED_OUT.add(port)
+            return port
 
 
 @dataclasses.dataclass
