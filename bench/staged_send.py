@@ -41,6 +41,7 @@ prints JSON. Needs sglang 0.5.23 and Mooncake 0.3.14.
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import contextlib
 import inspect
 import json
@@ -355,6 +356,7 @@ class StagedSendBench:
         self._original = inspect.unwrap(conn.MooncakeKVManager._send_kvcache_generic)
         self._hooked = conn.MooncakeKVManager._send_kvcache_generic
         self.peer_address = peer_address
+        self.executor = concurrent.futures.ThreadPoolExecutor(1)  # sglang's, per transfer queue
 
     def _keep_note(self, _endpoint: str, frames: list[bytes], is_ipv6: bool = False) -> None:
         """The prefill's `Staged` note, kept for the scatter instead of sent on ZMQ."""
@@ -365,7 +367,7 @@ class StagedSendBench:
     def _send(self, send: Callable, dst_pages: np.ndarray) -> int:
         return send(
             self.manager, self.session, self.src_ptrs, self.dst_ptrs, self.item_lens,
-            self.src_pages, dst_pages, None,
+            self.src_pages, dst_pages, self.executor,
         )  # fmt: skip
 
     def send_sglang(self) -> int:

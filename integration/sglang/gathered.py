@@ -259,12 +259,6 @@ def send_gathered(
         log_fallback_once(f"a gathered send was rejected ({error})", key="gather rejected")
         return None
     engine_handoff = sglang_handoff(manager.engine)
-
-    def transfer(ready: Any, srcs: np.ndarray, dsts: np.ndarray, lens: np.ndarray) -> int:
-        if ready is not None:
-            ready.synchronize()  # the gather has written the slot
-        return engine_handoff.call(session, *engine_handoff.columns(srcs, dsts, lens))
-
     first_slot = staging.try_take()
     if first_slot is None:
         log_fallback_once(
@@ -274,8 +268,7 @@ def send_gathered(
         )
         return None
     futures = current_send().futures
-    last_use: dict[int, concurrent.futures.Future | None] = {first_slot: None}  # slots held
-    try:  # from the first slot taken on, whatever raises, every slot goes back
+    with SlotLease(staging, first_slot) as lease:  # whatever raises, every slot goes back
         record_send(
             "gathered",
             engine_handoff.form,
@@ -286,43 +279,77 @@ def send_gathered(
             len(chunks),
         )
         for chunk, (offsets, dsts, lens) in zip(chunks, columns, strict=True):
-            slot = _slot_for_next_chunk(staging, last_use)  # may wait for this send's own call
-            if _failed(futures):
+            slot = lease.next_slot()  # may wait for this send's own call
+            if failed(futures):
                 break  # sglang stops at a failed layer; no more chunks are gathered
             ready = gather_into_slot(staging, slot, layout, chunk, src_pages, src_lens)
             srcs = offsets + staging.slot(slot).data_ptr()
-            future = executor.submit(transfer, ready, srcs, dsts, lens)
+            future = executor.submit(write_chunk, engine_handoff, session, ready, srcs, dsts, lens)
             futures.append(future)
-            last_use[slot] = future
-    finally:
-        for slot, future in last_use.items():  # each slot back once its last reader ended
+            lease.read_by(slot, future)
+        return manager._await_transfer_futures(futures)  # slots of ended calls back on return
+
+
+class SlotLease:
+    """The slots one send holds: at most `SLOTS_PER_SEND`, so that one chunk is on the wire
+    while the next is gathered; each goes back once the last engine call that read it ended
+    (or was cancelled unstarted), never earlier, whatever the send's status.
+
+    Use as a context manager from the first slot taken on: leaving it, by return
+    or raise, gives back every slot whose last call has ended (at once, so a send
+    that awaited its calls inside it returns with them free) and hands the others
+    to their call's done callback.
+    """
+
+    def __init__(self, staging: GatherStaging, first_slot: int) -> None:
+        self._staging = staging
+        self._last_use: dict[int, concurrent.futures.Future | None] = {first_slot: None}
+
+    def __enter__(self) -> SlotLease:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        for slot, future in self._last_use.items():
             if future is None:
-                staging.give_back(slot)
+                self._staging.give_back(slot)
             else:
-                future.add_done_callback(_giving_back(staging, slot))
-    return manager._await_transfer_futures(futures)
+                future.add_done_callback(_giving_back(self._staging, slot))
+
+    def next_slot(self) -> int:
+        """A held slot no call reads, taking another free one while holding fewer than
+        `SLOTS_PER_SEND`; else it waits for this send's own oldest chunk's call to end."""
+        for slot, future in self._last_use.items():
+            if future is None:
+                return slot
+        if len(self._last_use) < SLOTS_PER_SEND:
+            slot = self._staging.try_take()
+            if slot is not None:
+                self._last_use[slot] = None
+                return slot
+        slot = next(iter(self._last_use))  # dicts keep insertion order: the oldest chunk's slot
+        oldest = self._last_use.pop(slot)
+        assert oldest is not None
+        concurrent.futures.wait([oldest])
+        self._last_use[slot] = None  # re-inserted last: its next chunk is the newest
+        return slot
+
+    def read_by(self, slot: int, future: concurrent.futures.Future) -> None:
+        """`slot` is read by the engine call `future` runs (its chunk's write)."""
+        self._last_use[slot] = future
 
 
-def _slot_for_next_chunk(
-    staging: GatherStaging, last_use: dict[int, concurrent.futures.Future | None]
+def write_chunk(
+    engine_handoff: Any,
+    session: str,
+    ready: Any,
+    srcs: np.ndarray,
+    dsts: np.ndarray,
+    lens: np.ndarray,
 ) -> int:
-    """A slot this send holds and no call reads, taking another free one while it holds fewer
-    than `SLOTS_PER_SEND`; else it waits for its own oldest chunk's call to end."""
-    for slot, future in last_use.items():
-        if future is None:
-            return slot
-    if len(last_use) < SLOTS_PER_SEND:
-        slot = staging.try_take()
-        if slot is not None:
-            last_use[slot] = None
-            return slot
-    slot = next(iter(last_use))  # dicts keep insertion order: the oldest chunk's slot
-    oldest = last_use[slot]
-    assert oldest is not None
-    concurrent.futures.wait([oldest])
-    del last_use[slot]
-    last_use[slot] = None  # re-inserted last: its next chunk is the newest
-    return slot
+    """One chunk's engine call, once its gather has written the slot (`ready`: None or an event)."""
+    if ready is not None:
+        ready.synchronize()
+    return engine_handoff.call(session, *engine_handoff.columns(srcs, dsts, lens))
 
 
 def _per_token(reason: str, needed: int) -> None:
@@ -375,7 +402,7 @@ def _giving_back(staging: GatherStaging, slot: int) -> Callable[[concurrent.futu
     return lambda _: staging.give_back(slot)
 
 
-def _failed(futures: list[concurrent.futures.Future]) -> bool:
+def failed(futures: list[concurrent.futures.Future]) -> bool:
     """Whether an ended engine call failed (non-zero status or raised)."""
     for future in futures:
         ended = future.done() and not future.cancelled()

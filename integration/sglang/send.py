@@ -55,6 +55,7 @@ def send_kvcache_generic_hook(manager: conn.MooncakeKVManager, *args, **kwargs) 
         call.dst_data_indices,
         StagedEntries.of_plan(plan.layout, call.dst_device_data_ptrs),
         plan.num_descriptors,
+        call.executor,
     )
     if staged_status is not None:
         return staged_status

@@ -151,6 +151,7 @@ def send_kvcache_slice_hook(manager: conn.MooncakeKVManager, *args, **kwargs) ->
                 call.dst_kv_indices,
                 staged,
                 layout.num_layers * pages[0].size * page_size,  # one per token per buffer
+                call.executor,
             )
             if status is not None:  # None: not staged, per-token descriptors
                 return status

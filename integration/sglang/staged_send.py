@@ -14,9 +14,11 @@ enough descriptors repay; docs/benchmarks.md measures it), toward a decode
 that lent its request a part, is gathered page
 by page of every buffer into the prefill's registered send staging (the
 gathered path's slots), written with one descriptor per slot-sized piece of
-pages into the part, and then named to the decode in a `Staged` note on the
-socket sglang's status messages take (so the note arrives first); the decode
-scatters it into its pages before it counts the request's KV as arrived.
+pages into the part (from sglang's executor, two slots at most: while one
+piece is on the wire the next is gathered), and once every piece's engine call
+succeeded, named to the decode in a `Staged` note on the socket sglang's
+status messages take (so the note arrives first); the decode scatters it into
+its pages before it counts the request's KV as arrived.
 
 Which request a send belongs to: sglang hands the send a slice of the
 `TransferInfo`'s destination pages; the slice's base array is the one the
@@ -28,6 +30,7 @@ planned, counted.
 
 from __future__ import annotations
 
+import concurrent.futures
 import threading
 import time
 import weakref
@@ -41,8 +44,15 @@ from gpu_planner.head_slices import HeadSliceLayout
 from gpu_planner.integration.sglang import bounds
 from gpu_planner.integration.sglang.adapter import sglang_handoff
 from gpu_planner.integration.sglang.counters import record_send
-from gpu_planner.integration.sglang.fallback import log_fallback_once
-from gpu_planner.integration.sglang.gathered import Chunk, gather_into_slot, staging_for
+from gpu_planner.integration.sglang.fallback import current_send, log_fallback_once
+from gpu_planner.integration.sglang.gathered import (
+    Chunk,
+    SlotLease,
+    failed,
+    gather_into_slot,
+    staging_for,
+    write_chunk,
+)
 from gpu_planner.integration.sglang.staging_wire import (
     Capability,
     Reservation,
@@ -197,6 +207,7 @@ def send_staged(
     dst_pages: np.ndarray,
     entries: StagedEntries,
     descriptors: int,
+    executor: concurrent.futures.Executor,
 ) -> int | None:
     """Write a send through the decode's receive staging; None: send it as planned.
 
@@ -208,6 +219,8 @@ def send_staged(
             the send got it: its base array says which request it is.
         entries: the buffers the send moves (`StagedEntries`).
         descriptors: what the send would otherwise hand Mooncake (the gate).
+        executor: sglang's executor: each piece's engine call runs there, so
+            that the next piece is gathered while one is on the wire.
 
     Returns:
         0 or the first failing engine status; None before any byte moved when
@@ -264,8 +277,8 @@ def send_staged(
         slice_lens=page_lens,
     )  # fmt: skip: whole pages, buffer-major, as the decode scatters them
     engine_handoff = sglang_handoff(manager.engine)
-    slot = staging.try_take()
-    if slot is None:
+    first_slot = staging.try_take()
+    if first_slot is None:
         return _not_staged("every send staging slot is lent to other sends")
     part, _ = writer_part(reservation.nbytes, entries.writers, entries.writer)
     base = route.region.address + reservation.offset + part
@@ -273,30 +286,32 @@ def send_staged(
         (first, min(pages_per_slot, num_pages - first))
         for first in range(0, num_pages, pages_per_slot)
     ]
-    try:
+    futures = current_send().futures
+    with SlotLease(staging, first_slot) as lease:  # whatever raises, every slot goes back
         record_send(
             "staged", engine_handoff.form, len(chunks), num_pages * chunk_page_bytes,
             time.perf_counter() - started, len(entry_ids), len(chunks),
         )  # fmt: skip
-        slot_address = staging.slot(slot).data_ptr()
         for first, count in chunks:
+            slot = lease.next_slot()  # may wait for this send's own earlier piece
+            if failed(futures):
+                break  # the send fails: no more pieces are gathered
             ready = gather_into_slot(
                 staging, slot, gather_layout, Chunk(slice(None), slice(first, first + count)),
                 src_pages, src_lens,
             )  # fmt: skip
-            if ready is not None:
-                ready.synchronize()  # the gather has written the slot
             dst = base + chunk_offset(decode_page_bytes, entries.writers, page_start + first)
-            columns = engine_handoff.columns(
-                np.array([slot_address], dtype=np.int64),
+            future = executor.submit(
+                write_chunk, engine_handoff, session, ready,
+                np.array([staging.slot(slot).data_ptr()], dtype=np.int64),
                 np.array([dst], dtype=np.int64),
                 np.array([count * chunk_page_bytes], dtype=np.int64),
-            )
-            status = engine_handoff.call(session, *columns)
-            if status != 0:
-                return status
-    finally:
-        staging.give_back(slot)
+            )  # fmt: skip
+            futures.append(future)
+            lease.read_by(slot, future)
+        status = manager._await_transfer_futures(futures)  # slots of ended calls back on return
+    if status != 0:
+        return status  # no note: the decode scatters nothing of this send
     staged = Staged(
         room=route.room,
         reservation_id=reservation.reservation_id,

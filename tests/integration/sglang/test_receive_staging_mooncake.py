@@ -15,7 +15,10 @@ HiSparse's two destination spaces.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -37,6 +40,8 @@ from gpu_planner.integration.sglang.staging_wire import STAGED_TAG
 POOL_PAGES = 128
 PAGE_SIZE = 4
 KV_POLL_TRANSFERRING, KV_POLL_SUCCESS, KV_POLL_FAILED = 3, 4, 0
+# sglang's executor per transfer queue on a small host: one thread (4 threads, 4 queues)
+SEND_EXECUTOR = concurrent.futures.ThreadPoolExecutor(1)
 DEAD_SESSION = "127.0.0.1:9"  # nothing listens there: Mooncake's call fails at once
 
 
@@ -57,6 +62,18 @@ def fragmented(rng: np.random.Generator, count: int, dtype=np.int32) -> np.ndarr
     return runs.reshape(-1)[:count].astype(dtype)
 
 
+def all_slots_back(staging: gathered.GatherStaging, within_s: float = 10.0) -> bool:
+    """Whether every send staging slot is free, once the engine calls still reading one end:
+    a failed send returns at its first failed piece, as sglang's sends do, and a piece still
+    on the wire gives its slot back when its call ends."""
+    deadline = time.monotonic() + within_s
+    while staging.free_slots != gathered.SLOTS:
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.001)
+    return True
+
+
 class Deployment:
     """One prefill and one decode manager, connected as sglang connects them."""
 
@@ -71,6 +88,7 @@ class Deployment:
         self.session = decode_engine.session_id
         self.device_ptrs = set(self.destination.ptrs[len(item_lens) - device_buffers :])
         self.notes: list[list[bytes]] = []
+        self.executor = SEND_EXECUTOR
         self.prefill._send_multipart_locked = lambda _, parts, is_ipv6=False: self.notes.append(
             parts
         )
@@ -131,7 +149,7 @@ class Deployment:
             item_lens=self.source.item_lens,
             prefill_data_indices=src_pages[pages],
             dst_data_indices=info.dst_kv_indices[pages],
-            executor=None,
+            executor=self.executor,
             dst_device_data_indices=None if device is None else device[pages],
             dst_device_data_ptrs=self.device_ptrs or None,
         )
@@ -229,6 +247,100 @@ def test_a_staged_send_lands_what_sglangs_send_lands(
     assert after["staged_scatters"] - before["staged_scatters"] == pieces
     region = receive_staging.existing_region(deployment.decode)
     assert region.lent_rooms == 0  # Success gave the part back
+
+
+class PieceTimeline:
+    """The staged send's gathers, engine calls and note, in the order they happen.
+
+    `hold_first_write` keeps piece 0's engine call from starting until piece 1
+    was gathered (so the test fails, not hangs, if the send gathers only
+    after each call); `failing_write` makes that piece's call return -1.
+    """
+
+    def __init__(self, monkeypatch, deployment: Deployment, failing_write: int | None = None):
+        self.events: list[str] = []
+        self.lowest_free_slots = gathered.SLOTS
+        self._lock = threading.Lock()
+        self._gathered = [threading.Event() for _ in range(16)]
+        self._failing_write = failing_write
+        self._writes = iter(range(16))
+        self._gathers = iter(range(16))
+        self._staging = gathered.staging_for(deployment.prefill)
+        gather, write = staged_send.gather_into_slot, staged_send.write_chunk
+        monkeypatch.setattr(staged_send, "gather_into_slot", self._spy(gather, self._gather))
+        monkeypatch.setattr(staged_send, "write_chunk", self._spy(write, self._write))
+        keep_note = deployment.prefill._send_multipart_locked
+        deployment.prefill._send_multipart_locked = self._spy(keep_note, self._note)
+
+    def _spy(self, original, around):
+        return lambda *args, **kwargs: around(original, *args, **kwargs)
+
+    def add(self, event: str) -> None:
+        with self._lock:
+            self.events.append(event)
+            self.lowest_free_slots = min(self.lowest_free_slots, self._staging.free_slots)
+
+    def _gather(self, original, *args):
+        number = next(self._gathers)
+        self.add(f"gather {number}")
+        ready = original(*args)
+        self.add(f"gather {number} ended")
+        self._gathered[number].set()
+        return ready
+
+    def _write(self, original, *args):
+        number = next(self._writes)
+        if number == 0:
+            assert self._gathered[1].wait(10), "piece 1 was not gathered while piece 0 waited"
+        status = -1 if number == self._failing_write else original(*args)
+        self.add(f"write {number} ended")
+        return status
+
+    def _note(self, original, *args, **kwargs):
+        self.add("note")
+        return original(*args, **kwargs)
+
+    def before(self, first: str, then: str) -> bool:
+        return self.events.index(first) < self.events.index(then)
+
+
+def test_the_next_piece_is_gathered_while_one_is_on_the_wire(deployments, monkeypatch):
+    """Three pieces through two slots: piece 1 is gathered during piece 0's engine call, piece 2
+    only into a slot whose call ended, and the note follows the last call; bytes are sglang's."""
+    deployment = deployments([256] * 8, 0, seed=21)  # 2 KiB pages: 8 per 16 KiB slot
+    rng = np.random.default_rng(22)
+    src_pages, host_pages = fragmented(rng, 24, np.int64), fragmented(rng, 24)
+    expected = deployment.sglang_bytes(src_pages, host_pages, None)
+    timeline = PieceTimeline(monkeypatch, deployment)
+    info = deployment.request(5, host_pages, None)
+    assert deployment.send(info, src_pages, slice(0, 24)) == 0
+    assert timeline.before("gather 1 ended", "write 0 ended")  # overlap
+    assert timeline.before("write 0 ended", "gather 2")  # a slot is reused after its call
+    assert timeline.events[-1] == "note" and timeline.before("write 2 ended", "note")
+    assert timeline.lowest_free_slots == gathered.SLOTS - 2  # a send holds two slots at most
+    assert all_slots_back(timeline._staging)
+    deployment.deliver(5)
+    assert deployment.decode.request_status[5] == KV_POLL_SUCCESS
+    np.testing.assert_array_equal(deployment.destination.tensor.numpy(), expected)
+
+
+def test_a_failed_piece_fails_the_send_without_a_note(deployments, monkeypatch):
+    """Piece 1's call fails: the send returns sglang's -1, no piece is gathered after the
+    failure was seen, the decode gets no note (it scatters nothing), and every slot comes back."""
+    deployment = deployments([256] * 8, 0, seed=23)
+    rng = np.random.default_rng(24)
+    src_pages, host_pages = fragmented(rng, 40, np.int64), fragmented(rng, 40)  # five pieces
+    timeline = PieceTimeline(monkeypatch, deployment, failing_write=1)
+    info = deployment.request(6, host_pages, None)
+    assert deployment.send(info, src_pages, slice(0, 40)) == -1
+    assert all_slots_back(timeline._staging)
+    assert "note" not in timeline.events and not deployment.notes
+    failed_at = timeline.events.index("write 1 ended")
+    assert not any(event.startswith("gather") for event in timeline.events[failed_at + 1 :])
+    assert sum(event.startswith("gather") and "ended" not in event for event in timeline.events) < 5
+    deployment.deliver(6, KV_POLL_FAILED)
+    assert deployment.decode.request_status[6] == KV_POLL_FAILED
+    assert not deployment.destination.tensor.numpy().any()  # nothing scattered
 
 
 def test_a_refused_note_fails_the_request_instead_of_landing_partial_kv(deployments):
@@ -366,7 +478,7 @@ def test_two_tp_down_writers_each_land_their_heads_in_every_token_slot(engines, 
             assert (entries.writers, entries.writer) == (writers, writer)
             status = staged_send.send_staged(
                 prefill, decode_engine.session_id, src_pages[writer], info.dst_kv_indices[:],
-                entries, descriptors=10_000,
+                entries, descriptors=10_000, executor=SEND_EXECUTOR,
             )  # fmt: skip
             assert status == 0
             data = source.tensor.numpy()
@@ -435,7 +547,7 @@ def test_two_thousand_sends_some_to_a_dead_region_leak_no_slot_part_or_memory(
             assert status == (-1 if dead else 0), room
             deployment.deliver(room, KV_POLL_FAILED if dead else KV_POLL_SUCCESS)
             deployment.decode.request_status.pop(room)  # sglang clears the room
-            assert staging.free_slots == gathered.SLOTS
+            assert all_slots_back(staging), room
         grown = tracemalloc.get_traced_memory()[0] - settled
     finally:
         tracemalloc.stop()
