@@ -34,7 +34,7 @@ TP-down). On a CPU with TCP the model and Mooncake's transport dominate both
 figures; the point is a real-deployment figure that a GPU run repeats (there
 sglang's CPU scaffolding and CPU flags in `tests/e2e/e2e_servers.py` give way
 to the GPU defaults). Run: `python -m bench.deployment [--lengths 64 1024 3584]
-[--repeats 5] [--layers 16 --fragment] [--prefill-tp 2]`; writes
+[--repeats 5] [--layers 16 --fragment] [--prefill-tp 2] [--variants staged sglang]`; writes
 `bench/results/deployment.{json,png}`.
 """
 
@@ -210,7 +210,9 @@ def format_results(results: list[dict[str, Any]]) -> str:
     )
 
 
-def deployment_specs(model: Path, prefill_tp: int = 1) -> list[ServerSpec]:
+def deployment_specs(
+    model: Path, prefill_tp: int = 1, variants: Sequence[str] = VARIANTS
+) -> list[ServerSpec]:
     """The decode (the plugin, receive staging on) and one prefill per variant."""
     prefill_args = ("--max-total-tokens", str(PREFILL_POOL_TOKENS))
     prefill_args += ("--chunked-prefill-size", str(PREFILL_POOL_TOKENS))  # one transfer each
@@ -230,7 +232,7 @@ def deployment_specs(model: Path, prefill_tp: int = 1) -> list[ServerSpec]:
                 *prefill_args,
                 env={**VARIANT_ENV[variant], **tp_env},
             )  # fmt: skip
-            for variant in VARIANTS
+            for variant in variants
         ),
     ]
 
@@ -242,6 +244,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layers", type=int, default=2, help="decoder layers of the tiny model")
     parser.add_argument("--prefill-tp", type=int, default=1, choices=(1, 2))
     parser.add_argument("--fragment", action="store_true", help="a burst before each round")
+    parser.add_argument(
+        "--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS),
+        help="prefills to run (fewer servers: a TP 2 prefill keeps a core busy)",
+    )  # fmt: skip
     parser.add_argument("--out", type=Path, default=Path("bench/results"), help="output folder")
     parser.add_argument("--name", default="deployment", help="stem of the JSON/PNG files")
     args = parser.parse_args(argv)
@@ -255,8 +261,10 @@ def main(argv: list[str] | None = None) -> int:
         model = write_tiny_llama(Path(scratch) / "model", seed=0, layers=args.layers)
         logs = args.out / f"{args.name}-logs"
         logs.mkdir(parents=True, exist_ok=True)
-        with servers_running(deployment_specs(model, args.prefill_tp), logs) as servers:
-            prefills = {variant: servers[variant] for variant in VARIANTS}
+        variants = [variant for variant in VARIANTS if variant in args.variants]
+        specs = deployment_specs(model, args.prefill_tp, variants)
+        with servers_running(specs, logs) as servers:
+            prefills = {variant: servers[variant] for variant in variants}
             results = measure(
                 prefills, servers["decode"], args.lengths, args.repeats, args.fragment,
                 args.prefill_tp,
@@ -277,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
     panels = {
         title: {
             variant: [(r["prompt_tokens"], r[variant][figure]) for r in results]
-            for variant in VARIANTS
+            for variant in variants
         }
         for figure, title in (("ttft", "time to first token"), ("transfer", "prefill KV transfer"))
     }

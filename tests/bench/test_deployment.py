@@ -52,3 +52,10 @@ def test_prompts_longer_than_the_pool_are_refused_before_any_server_starts(capsy
     with pytest.raises(SystemExit):
         main(["--lengths", "64", str(PREFILL_POOL_TOKENS)])
     assert "do not fit the prefill pool" in capsys.readouterr().err
+
+
+def test_variants_picks_the_prefills_that_run():
+    specs = deployment_specs(Path("/model"), prefill_tp=2, variants=("staged", "sglang"))
+    assert [spec.name for spec in specs] == ["decode", "staged", "sglang"]
+    with pytest.raises(SystemExit):
+        main(["--variants", "staged", "nonsense"])
