@@ -268,7 +268,7 @@ def send_gathered(
         )
         return None
     futures = current_send().futures
-    with SlotLease(staging, first_slot) as lease:  # whatever raises, every slot goes back
+    with SlotLease(staging, first_slot, futures) as lease:  # whatever raises, slots go back
         record_send(
             "gathered",
             engine_handoff.form,
@@ -280,13 +280,11 @@ def send_gathered(
         )
         for chunk, (offsets, dsts, lens) in zip(chunks, columns, strict=True):
             slot = lease.next_slot()  # may wait for this send's own call
-            if failed(futures):
+            if slot is None:
                 break  # sglang stops at a failed layer; no more chunks are gathered
             ready = gather_into_slot(staging, slot, layout, chunk, src_pages, src_lens)
             srcs = offsets + staging.slot(slot).data_ptr()
-            future = executor.submit(write_chunk, engine_handoff, session, ready, srcs, dsts, lens)
-            futures.append(future)
-            lease.read_by(slot, future)
+            lease.write(slot, executor, engine_handoff, session, ready, (srcs, dsts, lens))
         return manager._await_transfer_futures(futures)  # slots of ended calls back on return
 
 
@@ -298,11 +296,15 @@ class SlotLease:
     Use as a context manager from the first slot taken on: leaving it, by return
     or raise, gives back every slot whose last call has ended (at once, so a send
     that awaited its calls inside it returns with them free) and hands the others
-    to their call's done callback.
+    to their call's done callback. Each write's future joins `futures` (the
+    send's progress: what the hook contract and sglang's await see).
     """
 
-    def __init__(self, staging: GatherStaging, first_slot: int) -> None:
+    def __init__(
+        self, staging: GatherStaging, first_slot: int, futures: list[concurrent.futures.Future]
+    ) -> None:
         self._staging = staging
+        self._futures = futures
         self._last_use: dict[int, concurrent.futures.Future | None] = {first_slot: None}
 
     def __enter__(self) -> SlotLease:
@@ -315,9 +317,17 @@ class SlotLease:
             else:
                 future.add_done_callback(_giving_back(self._staging, slot))
 
-    def next_slot(self) -> int:
-        """A held slot no call reads, taking another free one while holding fewer than
-        `SLOTS_PER_SEND`; else it waits for this send's own oldest chunk's call to end."""
+    def next_slot(self) -> int | None:
+        """The slot for the send's next chunk; None once one of its calls failed (no more
+        chunks are gathered).
+
+        A held slot no call reads, taking another free one while holding fewer than
+        `SLOTS_PER_SEND`; else it waits for this send's own oldest chunk's call to end.
+        """
+        slot = self._free_held_slot()
+        return None if _failed(self._futures) else slot
+
+    def _free_held_slot(self) -> int:
         for slot, future in self._last_use.items():
             if future is None:
                 return slot
@@ -333,8 +343,19 @@ class SlotLease:
         self._last_use[slot] = None  # re-inserted last: its next chunk is the newest
         return slot
 
-    def read_by(self, slot: int, future: concurrent.futures.Future) -> None:
-        """`slot` is read by the engine call `future` runs (its chunk's write)."""
+    def write(
+        self,
+        slot: int,
+        executor: concurrent.futures.Executor,
+        engine_handoff: Any,
+        session: str,
+        ready: Any,
+        columns: tuple[np.ndarray, np.ndarray, np.ndarray],
+    ) -> None:
+        """Write `slot`'s chunk (`columns`: its srcs, dsts, lens) from `executor`, once its
+        gather's `ready` event (None: already written); the slot is lent until that call ends."""
+        future = executor.submit(write_chunk, engine_handoff, session, ready, *columns)
+        self._futures.append(future)
         self._last_use[slot] = future
 
 
@@ -402,7 +423,7 @@ def _giving_back(staging: GatherStaging, slot: int) -> Callable[[concurrent.futu
     return lambda _: staging.give_back(slot)
 
 
-def failed(futures: list[concurrent.futures.Future]) -> bool:
+def _failed(futures: list[concurrent.futures.Future]) -> bool:
     """Whether an ended engine call failed (non-zero status or raised)."""
     for future in futures:
         ended = future.done() and not future.cancelled()

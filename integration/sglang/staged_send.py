@@ -48,10 +48,8 @@ from gpu_planner.integration.sglang.fallback import current_send, log_fallback_o
 from gpu_planner.integration.sglang.gathered import (
     Chunk,
     SlotLease,
-    failed,
     gather_into_slot,
     staging_for,
-    write_chunk,
 )
 from gpu_planner.integration.sglang.staging_wire import (
     Capability,
@@ -287,28 +285,26 @@ def send_staged(
         for first in range(0, num_pages, pages_per_slot)
     ]
     futures = current_send().futures
-    with SlotLease(staging, first_slot) as lease:  # whatever raises, every slot goes back
+    with SlotLease(staging, first_slot, futures) as lease:  # whatever raises, slots go back
         record_send(
             "staged", engine_handoff.form, len(chunks), num_pages * chunk_page_bytes,
             time.perf_counter() - started, len(entry_ids), len(chunks),
         )  # fmt: skip
         for first, count in chunks:
             slot = lease.next_slot()  # may wait for this send's own earlier piece
-            if failed(futures):
+            if slot is None:
                 break  # the send fails: no more pieces are gathered
             ready = gather_into_slot(
                 staging, slot, gather_layout, Chunk(slice(None), slice(first, first + count)),
                 src_pages, src_lens,
             )  # fmt: skip
             dst = base + chunk_offset(decode_page_bytes, entries.writers, page_start + first)
-            future = executor.submit(
-                write_chunk, engine_handoff, session, ready,
+            columns = (
                 np.array([staging.slot(slot).data_ptr()], dtype=np.int64),
                 np.array([dst], dtype=np.int64),
                 np.array([count * chunk_page_bytes], dtype=np.int64),
-            )  # fmt: skip
-            futures.append(future)
-            lease.read_by(slot, future)
+            )
+            lease.write(slot, executor, engine_handoff, session, ready, columns)
         status = manager._await_transfer_futures(futures)  # slots of ended calls back on return
     if status != 0:
         return status  # no note: the decode scatters nothing of this send

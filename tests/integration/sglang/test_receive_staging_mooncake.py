@@ -88,7 +88,6 @@ class Deployment:
         self.session = decode_engine.session_id
         self.device_ptrs = set(self.destination.ptrs[len(item_lens) - device_buffers :])
         self.notes: list[list[bytes]] = []
-        self.executor = SEND_EXECUTOR
         self.prefill._send_multipart_locked = lambda _, parts, is_ipv6=False: self.notes.append(
             parts
         )
@@ -149,7 +148,7 @@ class Deployment:
             item_lens=self.source.item_lens,
             prefill_data_indices=src_pages[pages],
             dst_data_indices=info.dst_kv_indices[pages],
-            executor=self.executor,
+            executor=SEND_EXECUTOR,
             dst_device_data_indices=None if device is None else device[pages],
             dst_device_data_ptrs=self.device_ptrs or None,
         )
@@ -252,9 +251,9 @@ def test_a_staged_send_lands_what_sglangs_send_lands(
 class PieceTimeline:
     """The staged send's gathers, engine calls and note, in the order they happen.
 
-    `hold_first_write` keeps piece 0's engine call from starting until piece 1
-    was gathered (so the test fails, not hangs, if the send gathers only
-    after each call); `failing_write` makes that piece's call return -1.
+    Piece 0's engine call waits (10 s at most) until piece 1 was gathered, so a
+    send that gathers only after each call fails the test rather than hangs;
+    `failing_write` makes that piece's call return -1.
     """
 
     def __init__(self, monkeypatch, deployment: Deployment, failing_write: int | None = None):
@@ -266,9 +265,9 @@ class PieceTimeline:
         self._writes = iter(range(16))
         self._gathers = iter(range(16))
         self._staging = gathered.staging_for(deployment.prefill)
-        gather, write = staged_send.gather_into_slot, staged_send.write_chunk
+        gather, write = staged_send.gather_into_slot, gathered.write_chunk
         monkeypatch.setattr(staged_send, "gather_into_slot", self._spy(gather, self._gather))
-        monkeypatch.setattr(staged_send, "write_chunk", self._spy(write, self._write))
+        monkeypatch.setattr(gathered, "write_chunk", self._spy(write, self._write))
         keep_note = deployment.prefill._send_multipart_locked
         deployment.prefill._send_multipart_locked = self._spy(keep_note, self._note)
 
