@@ -2,8 +2,8 @@
 
 One decode server (the plugin, its receive staging on) and three prefill
 servers that send to it over Mooncake (TCP on 127.0.0.1), the same deployment
-as the e2e suite (`tests/e2e`, whose server harness, tiny random Llama and
-CPU scaffolding this reuses):
+as the e2e suite (`tests/e2e`), started by the same launcher with the same tiny
+random Llama and CPU scaffolding (`bench.servers`):
 
 - `staged`: the plugin at its defaults: a send that passes the staging gate
   goes through the decode's receive staging;
@@ -32,9 +32,11 @@ a busy server's do. Per request:
 runs every prefill at TP 2 (each rank a share of every decode token slot:
 TP-down). On a CPU with TCP the model and Mooncake's transport dominate both
 figures; the point is a real-deployment figure that a GPU run repeats (there
-sglang's CPU scaffolding and CPU flags in `tests/e2e/e2e_servers.py` give way
-to the GPU defaults). Run: `python -m bench.deployment [--lengths 64 1024 3584]
-[--repeats 5] [--layers 16 --fragment] [--prefill-tp 2] [--variants staged sglang]`; writes
+sglang's CPU scaffolding and CPU flags in `bench/servers/launcher.py` give way
+to the GPU defaults). Its servers wait for any other deployment on the machine
+(an e2e suite's) to stop first, and die with this process. Run:
+`python -m bench.deployment [--lengths 64 1024 3584] [--repeats 5]
+[--layers 16 --fragment] [--prefill-tp 2] [--variants staged sglang]`; writes
 `bench/results/deployment.{json,png}`.
 """
 
@@ -53,15 +55,15 @@ import numpy as np
 from bench.harness import Timing
 from bench.plot import write_panels
 from bench.report import format_seconds, machine_info, write_json
-from tests.e2e.e2e_client import (
+from bench.servers.client import (
     first_token_pd,
     generate_all,
     generate_pd,
     prompt_set,
     server_metrics,
 )
-from tests.e2e.e2e_model import write_tiny_llama
-from tests.e2e.e2e_servers import Server, ServerSpec, servers_running, sglang_spec
+from bench.servers.launcher import Server, ServerSpec, servers_running, sglang_spec
+from bench.servers.tiny_model import write_tiny_llama
 
 PAGE_SIZE = 16
 PREFILL_POOL_TOKENS = 4096  # the longest prompt must fit, with room for its output

@@ -1,23 +1,37 @@
 """Fixtures of the e2e suite: the tiny model, the server log folder, the plain-server reference.
 
-The suite starts real sglang servers (see `e2e_servers`); each test module
-holds one deployment for its tests and stops it at the module's end, so at
-most one deployment runs at a time. A failing test's report names the folder
-that keeps every server's log.
+The suite starts real sglang servers (see `bench.servers.launcher`); each test
+module holds one deployment for its tests and stops it at the module's end, so
+at most one deployment runs at a time (and across suites on one machine, the
+launcher's lock). The suite's test-only controls (`scaffolding/`) reach every
+server it starts through the PYTHONPATH it inherits. A failing test's report
+names the folder that keeps every server's log.
 """
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 
-from tests.e2e.e2e_client import generate, generate_all
-from tests.e2e.e2e_model import write_tiny_llama
+from bench.servers.client import generate, generate_all
+from bench.servers.launcher import servers_running, sglang_spec
+from bench.servers.tiny_model import write_tiny_llama
 from tests.e2e.e2e_scenarios import ALL_PROMPTS, CONCURRENCY
-from tests.e2e.e2e_servers import servers_running, sglang_spec
 
 LOG_DIR_KEY = pytest.StashKey[Path]()
+TEST_SCAFFOLDING = Path(__file__).resolve().parent / "scaffolding"
+
+
+@pytest.fixture(scope="package", autouse=True)
+def test_scaffolding_on_server_path():
+    """Put the test-only sglang plugin (`scaffolding/`) on the servers' PYTHONPATH while the
+    e2e tests run (the launcher passes its own PYTHONPATH on to every server)."""
+    path = os.pathsep.join(filter(None, [str(TEST_SCAFFOLDING), os.environ.get("PYTHONPATH")]))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("PYTHONPATH", path)
+        yield
 
 
 @pytest.fixture(scope="session")

@@ -6,7 +6,7 @@ import json
 from collections.abc import Sequence
 from pathlib import Path
 
-from tests.e2e.e2e_client import Generation, server_metrics
+from bench.servers.client import Generation, server_metrics
 
 
 def assert_same_tokens(

@@ -13,8 +13,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from tests.e2e.e2e_client import prompt_set
-from tests.e2e.e2e_servers import ServerSpec, sglang_spec
+from bench.servers.client import prompt_set
+from bench.servers.launcher import ServerSpec, sglang_spec
 
 MIXED_LENGTHS = (
     5, 17, 40, 64, 90, 97, 120, 150, 200, 260, 300, 333,

@@ -17,8 +17,9 @@ from pathlib import Path
 import pytest
 
 from bench.deployment import one_request
+from bench.servers.client import Generation, generate_all, generate_pd, prompt_set, server_metrics
+from bench.servers.launcher import Server, servers_running
 from tests.e2e.e2e_checks import assert_same_tokens, plugin_metrics, runs_histogram, sends_above
-from tests.e2e.e2e_client import Generation, generate_all, generate_pd, prompt_set, server_metrics
 from tests.e2e.e2e_scenarios import (
     CONCURRENCY,
     CONTROL_PROMPT,
@@ -26,7 +27,6 @@ from tests.e2e.e2e_scenarios import (
     decode_spec,
     prefill_spec,
 )
-from tests.e2e.e2e_servers import Server, servers_running
 from tests.e2e.scaffolding.e2e_sglang_scaffolding import CORRUPT_FLAG_ENV
 
 pytestmark = pytest.mark.e2e

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import pytest
 
+from bench.servers.client import generate, generate_all
+from bench.servers.launcher import router_spec, servers_running
 from tests.e2e.e2e_checks import assert_same_tokens, plugin_metrics, runs_histogram, sends_above
-from tests.e2e.e2e_client import generate, generate_all
 from tests.e2e.e2e_scenarios import (
     CONCURRENCY,
     MIXED_PROMPTS,
@@ -20,7 +21,6 @@ from tests.e2e.e2e_scenarios import (
     decode_spec,
     prefill_spec,
 )
-from tests.e2e.e2e_servers import router_spec, servers_running
 
 pytestmark = pytest.mark.e2e
 

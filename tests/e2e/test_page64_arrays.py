@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import pytest
 
+from bench.servers.client import generate_all, generate_pd
+from bench.servers.launcher import servers_running
 from tests.e2e.e2e_checks import assert_same_tokens, plugin_metrics, runs_histogram, sends_above
-from tests.e2e.e2e_client import generate_all, generate_pd
 from tests.e2e.e2e_scenarios import CONCURRENCY, MIXED_PROMPTS, decode_spec, prefill_spec
-from tests.e2e.e2e_servers import servers_running
 
 pytestmark = pytest.mark.e2e
 

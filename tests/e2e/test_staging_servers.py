@@ -31,8 +31,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.e2e_checks import assert_same_tokens
-from tests.e2e.e2e_client import (
+from bench.servers.client import (
     REQUEST_TIMEOUT_S,
     Generation,
     generate_all,
@@ -40,6 +39,8 @@ from tests.e2e.e2e_client import (
     sampling,
     server_metrics,
 )
+from bench.servers.launcher import Server, servers_running, sglang_spec
+from tests.e2e.e2e_checks import assert_same_tokens
 from tests.e2e.e2e_scenarios import (
     CONCURRENCY,
     POOL_TOKENS,
@@ -47,7 +48,6 @@ from tests.e2e.e2e_scenarios import (
     STAGING_PROMPTS,
     prefill_spec,
 )
-from tests.e2e.e2e_servers import Server, servers_running, sglang_spec
 from tests.e2e.scaffolding.e2e_sglang_scaffolding import (
     CORRUPT_SCATTER_FLAG_ENV,
     STALL_STAGED_FLAG_ENV,

@@ -1,17 +1,13 @@
 """TEST SCAFFOLDING, not product code: a test-only sglang plugin for the e2e servers.
 
 Found by sglang's `load_plugins()` through the entry point in the
-`e2e_sglang_scaffolding-0.dist-info` folder next to it (the e2e servers put
-this folder on PYTHONPATH; nothing is installed). It does two things:
+`e2e_sglang_scaffolding-0.dist-info` folder next to it (`tests/e2e/conftest.py`
+puts this folder on the PYTHONPATH of every server the suite starts; nothing is
+installed). What sglang's CPU path needs is not here but in the launcher's CPU
+scaffolding (`bench/servers/cpu_scaffolding/`), which the benchmarks use too.
+Each control below is armed per server by its environment variable, and does
+nothing without it:
 
-- Without CUDA, sglang 0.5.23's prefill allocates pinned memory and records a
-  `torch.cuda.Event` for every send whose sender has
-  `supports_host_tensor_indices` (`MooncakeKVSender` has). Setting it to False
-  makes sglang take its CPU `kv_to_page_indices` path instead.
-- Without CUDA, sglang 0.5.23's `init_model_parallel_group` turns on pynccl for
-  TP > 1 (it only spares NPU, XPU and out-of-tree platforms), whose communicator
-  fails on a CPU device. An AROUND hook passes `use_pynccl=False`, so TP groups
-  use torch.distributed (gloo) alone.
 - The corruption control: when `E2E_CORRUPT_FLAG` names a file, an AROUND hook
   on `MooncakeKVManager.send_kvcache` (upstream of every planner) leaves the
   last page out of the next send with two or more pages after that file
@@ -45,21 +41,15 @@ CORRUPT_SCATTER_FLAG_ENV = "E2E_CORRUPT_SCATTER_FLAG"
 STALL_STAGED_FLAG_ENV = "E2E_STALL_STAGED_FLAG"
 STALL_LIMIT_S = 120.0
 SEND_KVCACHE = "sglang.srt.disaggregation.mooncake.conn.MooncakeKVManager.send_kvcache"
-MODEL_PARALLEL_GROUP = "sglang.srt.distributed.parallel_state.init_model_parallel_group"
 
 logger = logging.getLogger(__name__)
 
 
 def register() -> None:
-    """The `sglang.srt.plugins` entry point: patch what sglang's CPU path needs, arm the control."""
-    import torch
-    from sglang.srt.disaggregation.mooncake import conn
-    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
-
-    if not torch.cuda.is_available():
-        conn.MooncakeKVSender.supports_host_tensor_indices = False
-        HookRegistry.register(MODEL_PARALLEL_GROUP, without_pynccl, HookType.AROUND)
+    """The `sglang.srt.plugins` entry point: arm the controls whose variables are set."""
     if os.environ.get(CORRUPT_FLAG_ENV):
+        from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
         HookRegistry.register(SEND_KVCACHE, corrupt_one_send, HookType.AROUND)
     if os.environ.get(CORRUPT_SCATTER_FLAG_ENV):
         from gpu_planner.integration.sglang import receive_staging
@@ -71,11 +61,6 @@ def register() -> None:
         from gpu_planner.integration.sglang import staged_send
 
         staged_send._notify = _stalling_notify(staged_send._notify)
-
-
-def without_pynccl(original, *args, **kwargs):
-    """sglang's TP group constructor with pynccl off (a CPU machine has no NCCL device)."""
-    return original(*args, **{**kwargs, "use_pynccl": False})
 
 
 def corrupt_one_send(original, manager, session, src_pages, dst_ptrs, dst_pages, *args, **kwargs):

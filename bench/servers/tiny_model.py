@@ -1,4 +1,4 @@
-"""A tiny random Llama, written at test time from a fixed seed: no download.
+"""A tiny random Llama, written at run time from a fixed seed: no download.
 
 Two layers (or as many as asked), grouped-query attention (4 query heads, 2 KV heads of 16 dims), a
 512-token vocabulary, bfloat16 safetensors. The servers run with

@@ -1,14 +1,15 @@
-"""TEST SCAFFOLDING, not product code: a stand-in for sglang's CPU kernel package.
+"""CPU SCAFFOLDING, not product code: a stand-in for sglang's CPU kernel package.
 
 sglang's CPU kernels (the `sgl-kernel` CPU build) are not on PyPI. With
 `SGLANG_USE_CPU_ENGINE=1`, sglang 0.5.23 imports CPU kernels from `sgl_kernel`
 at start-up (`srt/mem_cache/allocation.py`, `kernels/ops/kvcache/cache_move.py`,
-`kernels/ops/speculative/spec_tree.py`, ...). The e2e servers put this folder on
-PYTHONPATH so those imports succeed. Only `assign_req_to_token_pool_cpu` is ever
-called for a small Llama without speculative decoding, so only it is implemented
-(in plain torch, with the semantics of sglang's Triton kernel
-`assign_req_to_token_pool`); every other name imports as a function that raises
-`NotImplementedError` naming itself, so a server that reaches one fails loudly.
+`kernels/ops/speculative/spec_tree.py`, ...). The launcher
+(`bench.servers.launcher`) puts this folder on every server's PYTHONPATH so
+those imports succeed. Only `assign_req_to_token_pool_cpu` is ever called for
+a small Llama without speculative decoding, so only it is implemented (in plain
+torch, with the semantics of sglang's Triton kernel `assign_req_to_token_pool`);
+every other name imports as a function that raises `NotImplementedError` naming
+itself, so a server that reaches one fails loudly.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ def __getattr__(name: str) -> object:
         raise AttributeError(name)
 
     def missing_kernel(*args: object, **kwargs: object) -> None:
-        raise NotImplementedError(f"e2e scaffolding: sgl_kernel.{name} has no stand-in")
+        raise NotImplementedError(f"CPU scaffolding: sgl_kernel.{name} has no stand-in")
 
     missing_kernel.__name__ = name
     return missing_kernel

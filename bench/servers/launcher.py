@@ -1,14 +1,23 @@
 """Real sglang 0.5.23 servers on this CPU machine: prefill, decode, plain, and the `smg` router.
 
-Every server is started in its own process group (`start_new_session`) with
-its output in a log file, and stopped by signalling the whole group (SIGTERM,
-then SIGKILL after a grace period): sglang's scheduler and detokenizer
-processes go with it. `servers_running` stops every server it started, also
-when start-up or a test fails, and keeps the logs.
+The one launcher of real servers: `bench.deployment` and the e2e suite
+(`tests/e2e`) both start theirs here. Every server is started in its own
+process group (`start_new_session`) under its keeper (`watchdog.py`), with its
+output in a log file, and stopped by signalling the whole group (SIGTERM, then
+SIGKILL after a grace period): sglang's scheduler and detokenizer processes go
+with it. `servers_running` stops every server it started, also when start-up
+or a test fails, and keeps the logs. A server never outlives the process that
+started it: when that process dies without stopping it (SIGKILL, the OOM
+killer), the keeper kills the server's group within a fraction of a second.
+And one deployment runs at a time on a machine: `servers_running` holds the
+machine's lock (`machine_lock`) for its deployment's lifetime, so a second
+suite's deployment waits for the first's instead of exhausting the memory.
 
-sglang's CPU path needs test scaffolding (`scaffolding/`, put on the servers'
-PYTHONPATH; nothing is installed): a stand-in `sgl_kernel` and a test-only
-sglang plugin. The flags below are what sglang 0.5.23 needs on a CPU machine:
+sglang's CPU path needs scaffolding (`cpu_scaffolding/`, put on every server's
+PYTHONPATH; nothing is installed): a stand-in `sgl_kernel` and a sglang plugin
+that turns off what needs CUDA. Whatever else the launching process has on its
+PYTHONPATH reaches the servers too (the e2e suite's test-only controls). The
+flags below are what sglang 0.5.23 needs on a CPU machine:
 `SGLANG_USE_CPU_ENGINE=1` with the torch-native attention backend, no CUDA
 graphs, no overlap scheduler (a prefix-cache hit under it records a CUDA
 event), and on decode no retraction backup (it calls `torch.cuda.cudart()`).
@@ -34,8 +43,11 @@ from pathlib import Path
 
 import requests
 
+from bench.servers.machine_lock import machine_lock
+
 LOCALHOST = "127.0.0.1"
-SCAFFOLDING = Path(__file__).resolve().parent / "scaffolding"
+CPU_SCAFFOLDING = Path(__file__).resolve().parent / "cpu_scaffolding"
+WATCHDOG = Path(__file__).resolve().parent / "watchdog.py"
 START_TIMEOUT_S = 480.0  # 30-75 s alone; several servers (a TP 2 one: 4 processes) share 2 cores
 START_ATTEMPTS = 3
 STOP_GRACE_S = 5.0  # sglang exits within a second or two of SIGTERM when idle
@@ -77,7 +89,7 @@ def free_port() -> int:
 
 @dataclasses.dataclass
 class Server:
-    """One started server: its process group, its URL and its log file."""
+    """One started server: its process group (led by its keeper), its URL and its log file."""
 
     name: str
     url: str
@@ -129,7 +141,7 @@ class ServerSpec:
     command: tuple[str, ...] = (sys.executable, "-m", "sglang.launch_server")
     bootstrap: bool = False  # a prefill server: it gets a free disaggregation bootstrap port
     prometheus_port: bool = False  # the router: its metrics server gets a free port (default 29000)
-    python_path: tuple[str, ...] = ()  # folders ahead of the scaffolding on PYTHONPATH
+    python_path: tuple[str, ...] = ()  # folders ahead of the CPU scaffolding on PYTHONPATH
     ready_path: str = "/health"  # answers 200 once the server takes requests
 
 
@@ -170,12 +182,12 @@ def router_spec(prefills: Sequence[Server], decode: Server) -> ServerSpec:
 
 
 def server_env(spec: ServerSpec, metrics_dir: Path) -> dict[str, str]:
-    """A server's environment: this one, the scaffolding on PYTHONPATH, sglang's CPU engine,
+    """A server's environment: this one, the CPU scaffolding on PYTHONPATH, sglang's CPU engine,
     and its own prometheus folder (sglang leaves the one it makes in /tmp behind when killed)."""
     env = dict(os.environ)
     env["PROMETHEUS_MULTIPROC_DIR"] = str(metrics_dir)
     env.pop("TRITON_INTERPRET", None)  # the test process's interpreter switch, not a user's
-    path = [*spec.python_path, str(SCAFFOLDING), env.get("PYTHONPATH", "")]
+    path = [*spec.python_path, str(CPU_SCAFFOLDING), env.get("PYTHONPATH", "")]
     env["PYTHONPATH"] = os.pathsep.join(filter(None, path))
     env["SGLANG_USE_CPU_ENGINE"] = "1"
     env["SGLANG_HOST_IP"] = LOCALHOST
@@ -184,7 +196,11 @@ def server_env(spec: ServerSpec, metrics_dir: Path) -> dict[str, str]:
 
 
 def start(spec: ServerSpec, log_path: Path) -> Server:
-    """Start `spec` on free ports in a new process group, logging to `log_path`."""
+    """Start `spec` on free ports in a new process group under its keeper, logging to `log_path`.
+
+    The keeper (`watchdog.py`, the group's leader and `Server.process`) runs the
+    server as its child and kills the group when this process dies.
+    """
     port = free_port()
     bootstrap_port = free_port() if spec.bootstrap else None
     command = [*spec.command, *spec.args, "--host", LOCALHOST, "--port", str(port)]
@@ -198,7 +214,7 @@ def start(spec: ServerSpec, log_path: Path) -> Server:
         log.write(" ".join(command) + "\n")
         log.flush()
         process = subprocess.Popen(
-            command,
+            [sys.executable, "-I", str(WATCHDOG), str(os.getpid()), "--", *command],
             stdout=log,
             stderr=subprocess.STDOUT,
             env=server_env(spec, metrics_dir),
@@ -238,30 +254,33 @@ def servers_running(specs: Sequence[ServerSpec], log_dir: Path) -> Iterator[dict
 
     A server that lost one of its ports to another process is stopped and
     started again on new ports (its earlier log kept as `<name>.<attempt>.log`).
+    The machine's deployment lock is held from before the first start until the
+    last server has stopped (another process's deployment is waited for first).
     """
-    servers = {spec.name: start(spec, log_dir / f"{spec.name}.log") for spec in specs}
-    try:
-        specs_by_name = {spec.name: spec for spec in specs}
-        attempts = dict.fromkeys(servers, 1)
-        deadline = time.monotonic() + START_TIMEOUT_S
-        waiting = set(servers)
-        while waiting:
-            for name in sorted(waiting):
-                server = servers[name]
-                if _port_taken(server) and attempts[name] < START_ATTEMPTS:
-                    server.stop()
-                    server.log_path.rename(log_dir / f"{name}.{attempts[name]}.log")
-                    attempts[name] += 1
-                    servers[name] = start(specs_by_name[name], log_dir / f"{name}.log")
-                elif _ready(server):
-                    waiting.discard(name)
-            if waiting and time.monotonic() > deadline:
-                raise TimeoutError(
-                    f"{', '.join(sorted(waiting))} not ready after {START_TIMEOUT_S:.0f} s; "
-                    f"logs in {log_dir}"
-                )
-            time.sleep(1.0)
-        yield servers
-    finally:
-        for server in reversed(list(servers.values())):
-            server.stop()
+    with machine_lock(f"{', '.join(spec.name for spec in specs)} in {log_dir}"):
+        servers = {spec.name: start(spec, log_dir / f"{spec.name}.log") for spec in specs}
+        try:
+            specs_by_name = {spec.name: spec for spec in specs}
+            attempts = dict.fromkeys(servers, 1)
+            deadline = time.monotonic() + START_TIMEOUT_S
+            waiting = set(servers)
+            while waiting:
+                for name in sorted(waiting):
+                    server = servers[name]
+                    if _port_taken(server) and attempts[name] < START_ATTEMPTS:
+                        server.stop()
+                        server.log_path.rename(log_dir / f"{name}.{attempts[name]}.log")
+                        attempts[name] += 1
+                        servers[name] = start(specs_by_name[name], log_dir / f"{name}.log")
+                    elif _ready(server):
+                        waiting.discard(name)
+                if waiting and time.monotonic() > deadline:
+                    raise TimeoutError(
+                        f"{', '.join(sorted(waiting))} not ready after {START_TIMEOUT_S:.0f} s; "
+                        f"logs in {log_dir}"
+                    )
+                time.sleep(1.0)
+            yield servers
+        finally:
+            for server in reversed(list(servers.values())):
+                server.stop()

@@ -1,4 +1,4 @@
-"""Requests to the e2e servers: greedy generations by token id, and the plugin's metrics.
+"""Requests to the launched servers: greedy generations by token id, and the plugin's metrics.
 
 A disaggregated request goes to a prefill and a decode server at once with the
 same bootstrap room (what sglang's PD routers do); the tokens come from the
@@ -18,7 +18,7 @@ import numpy as np
 import requests
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.e2e.e2e_model import VOCAB_SIZE
+from bench.servers.tiny_model import VOCAB_SIZE
 
 REQUEST_TIMEOUT_S = 300.0
 MAX_NEW_TOKENS = 8
