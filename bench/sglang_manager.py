@@ -75,13 +75,16 @@ def make_manager(
     deferred_release: bool = False,
     kv_data_ptrs: Sequence[int] = (),
     kv_data_lens: Sequence[int] = (),
+    attn_tp_rank: int = 0,
+    pp_rank: int = 0,
 ) -> conn.MooncakeKVManager:
     """A real MooncakeKVManager holding just the state `_send_kvcache_generic` reads.
 
     `engine` is what the manager sends through: a `RecordingEngine`, or
     sglang's real `MooncakeTransferEngine` wrapper around a Mooncake engine.
     `kv_data_ptrs`/`kv_data_lens` are the prefill's registered KV buffers: the
-    hooks refuse to read outside them.
+    hooks refuse to read outside them. `attn_tp_rank` and `pp_rank` (of
+    `pp_size`) make the rank its status messages name.
     """
     kv_args = KVArgs()
     kv_args.kv_data_ptrs, kv_args.kv_data_lens = list(kv_data_ptrs), list(kv_data_lens)
@@ -101,6 +104,10 @@ def make_manager(
     manager.state_strides_validated = set(validated_sessions)
     manager.enable_deferred_decode_kv_release = deferred_release
     manager.conclude_failure = FailureRecorder()
+    manager.attn_tp_rank, manager.pp_rank = attn_tp_rank, pp_rank  # its status's prefill rank
+    manager.attn_cp_size, manager.attn_cp_rank = 1, 0
+    manager.transfer_infos = {}  # room: {decode session: TransferInfo}, as sglang keeps them
+    manager.deferred_bootstrap = None
     return manager
 
 
@@ -111,17 +118,20 @@ def make_decode_manager(
     kv_item_lens: Sequence[int],
     page_size: int,
     mode: str = "DECODE",
+    num_draft_entries: int = 0,
 ) -> conn.MooncakeKVManager:
     """A real MooncakeKVManager holding what receive staging and `apply_prefill_status` read.
 
     `engine` is the wrapper the region registers with; the KV buffers are the
-    decode's (`mode` names the `DisaggregationMode`).
+    decode's (`mode` names the `DisaggregationMode`); with HiSparse, the last
+    `num_draft_entries` buffers take the device pages (sglang's rule).
     """
     from sglang.srt.disaggregation.utils import DisaggregationMode
 
     kv_args = KVArgs()
     kv_args.kv_data_ptrs, kv_args.kv_data_lens = list(kv_data_ptrs), list(kv_data_lens)
     kv_args.kv_item_lens, kv_args.page_size = list(kv_item_lens), page_size
+    kv_args.mla_compression_ratios, kv_args.num_draft_entries = None, num_draft_entries
     manager = object.__new__(conn.MooncakeKVManager)
     manager.kv_args, manager.engine = kv_args, engine
     manager.disaggregation_mode = DisaggregationMode[mode]

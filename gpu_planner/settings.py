@@ -74,6 +74,7 @@ def get(setting: Setting[Value], environ: Mapping[str, str] | None = None) -> Va
 
 _loaded: dict[str, Any] | None = None
 _generation = 0  # how many times `load` succeeded: sized caches rebuild when it moves
+_explicit: frozenset[str] = frozenset()  # the knobs `load` found set (not blank)
 _load_lock = threading.Lock()
 
 
@@ -83,7 +84,7 @@ def load(environ: Mapping[str, str] | None = None) -> None:
     Raises one `SettingError` naming every variable whose value is not
     accepted (and then keeps the values loaded before, if any).
     """
-    global _loaded, _generation
+    global _loaded, _generation, _explicit
     values: dict[str, Any] = {}
     errors: list[str] = []
     for setting in SETTINGS:
@@ -93,8 +94,11 @@ def load(environ: Mapping[str, str] | None = None) -> None:
             errors.append(str(error))
     if errors:
         raise SettingError("; ".join(errors))
+    given = os.environ if environ is None else environ
+    explicit_names = frozenset(name for name in values if given.get(name, "").strip())
     with _load_lock:
         _loaded = values
+        _explicit = explicit_names
         _generation += 1
 
 
@@ -104,6 +108,22 @@ def loaded(setting: Setting[Value]) -> Value:
         load()
     assert _loaded is not None
     return _loaded[setting.name]
+
+
+def explicit(setting: Setting) -> bool:
+    """Whether `load` found `setting` set (not blank) rather than taking its default.
+
+    A value equal to the default, set on purpose, counts as set: where a knob
+    overrides what gpu_planner would otherwise decide, setting it is the ask.
+    """
+    if _loaded is None:
+        load()
+    return setting.name in _explicit
+
+
+def generation() -> int:
+    """How many times `load` succeeded: what is built from loaded values rebuilds when it moves."""
+    return _generation
 
 
 def forget_loaded() -> None:
@@ -153,14 +173,17 @@ def _choice(*choices: str) -> Callable[[str], str]:
     return parse
 
 
-def _count(minimum: int) -> Callable[[str], int]:
+def _count(minimum: int, maximum: int | None = None) -> Callable[[str], int]:
     def parse(text: str) -> int:
         value = int(text, 0)
-        if value < minimum:
+        if value < minimum or (maximum is not None and value > maximum):
             raise ValueError(text)
         return value
 
     return parse
+
+
+MAX_STAGING_BYTES = 1 << 47  # x86-64's user address space: no allocation can be larger
 
 
 def _seconds(text: str) -> float | None:
@@ -171,6 +194,18 @@ def _seconds(text: str) -> float | None:
     if not (math.isfinite(value) and 0 < value <= threading.TIMEOUT_MAX):
         raise ValueError(text)
     return value
+
+
+def _number(minimum: float, *, inclusive: bool = True) -> Callable[[str], float]:
+    """A finite number at least (`inclusive`) or above `minimum`."""
+
+    def parse(text: str) -> float:
+        value = float(text)
+        if not math.isfinite(value) or value < minimum or (value == minimum and not inclusive):
+            raise ValueError(text)
+        return value
+
+    return parse
 
 
 DISABLE = Setting(
@@ -214,8 +249,8 @@ LAYOUT_CACHE_SIZE = Setting(
 GATHER_STAGING_BYTES = Setting(
     "GPU_PLANNER_GATHER_STAGING_BYTES",
     128 << 20,
-    _count(0),
-    "an integer >= 0",
+    _count(0, MAX_STAGING_BYTES),
+    "an integer from 0 to 2**47",
     "bytes of staging, registered with Mooncake once per KV manager, that head-sliced sends "
     "from a lower prefill TP gather into (four slots, at most two per send: one gathered while "
     "the other is sent); 0 sends per-token descriptors",
@@ -223,8 +258,8 @@ GATHER_STAGING_BYTES = Setting(
 RECEIVE_STAGING_BYTES = Setting(
     "GPU_PLANNER_RECEIVE_STAGING_BYTES",
     256 << 20,
-    _count(0),
-    "an integer >= 0",
+    _count(0, MAX_STAGING_BYTES),
+    "an integer from 0 to 2**47",
     "bytes of the decode's receive staging, registered with Mooncake once per KV manager and "
     "advertised to gpu_planner prefills, which write a fragmented or head-sliced send into it "
     "as a few large pieces that the decode scatters into its pages; 0 turns it off on that "
@@ -246,6 +281,74 @@ STAGING_MAX_MEAN_BYTES = Setting(
     "a prefill writes a send through the decode's receive staging only when its descriptors "
     "would average at most this many bytes (larger ones gain less than the gather and scatter "
     "cost: sent as planned, counted)",
+)
+COST_DIRECT_FIXED_US = Setting(
+    "GPU_PLANNER_COST_DIRECT_FIXED_US",
+    100.0,
+    _number(0),
+    "microseconds >= 0",
+    "the send-path cost model's seed for a direct send's fixed cost (every peer starts from it "
+    "and learns its own from its completed sends; measured: 0.73 ms for 32 descriptors of 8 KiB "
+    "over loopback TCP, less their requests and bytes)",
+)
+COST_STAGED_FIXED_US = Setting(
+    "GPU_PLANNER_COST_STAGED_FIXED_US",
+    4500.0,
+    _number(0),
+    "microseconds >= 0",
+    "the cost model's seed for a staged send's fixed cost on the prefill (learned per peer; "
+    "measured: 3-5 ms, staged sends of 32-488 descriptors over loopback TCP less their bytes, "
+    "2026-12-03)",
+)
+COST_REQUEST_US = Setting(
+    "GPU_PLANNER_COST_REQUEST_US",
+    15.0,
+    _number(0, inclusive=False),
+    "microseconds > 0",
+    "the cost model's seed for one Mooncake request (descriptor or staged piece) to a peer "
+    "(learned per peer; measured: 14-23 us over loopback TCP at 32-2,000 descriptors, about "
+    "40-64 us at 7,808; RDMA: a few us)",
+)
+COST_LINK_GB_S = Setting(
+    "GPU_PLANNER_COST_LINK_GB_S",
+    1.6,
+    _number(0, inclusive=False),
+    "GB/s (10^9 bytes per second) > 0",
+    "the cost model's seed for the link's bandwidth to a peer (learned per peer; measured: "
+    "1.6-1.8 GB/s over loopback TCP; RDMA: 25-50 GB/s)",
+)
+COST_GATHER_GB_S = Setting(
+    "GPU_PLANNER_COST_GATHER_GB_S",
+    4.0,
+    _number(0, inclusive=False),
+    "GB/s > 0",
+    "the cost model's seed for the staged send's gather on the prefill's KV device (learned "
+    "per peer; measured on the 2-core CPU: about 4 GB/s; a GPU gathers at hundreds of GB/s)",
+)
+COST_SCATTER_GB_S = Setting(
+    "GPU_PLANNER_COST_SCATTER_GB_S",
+    4.0,
+    _number(0, inclusive=False),
+    "GB/s > 0",
+    "the cost model's figure for the decode's scatter of a staged send (the prefill never sees "
+    "it: not learned; measured on the 2-core CPU: 4-5.5 GB/s)",
+)
+COST_SCATTER_FIXED_US = Setting(
+    "GPU_PLANNER_COST_SCATTER_FIXED_US",
+    300.0,
+    _number(0),
+    "microseconds >= 0",
+    "the cost model's figure for the decode scatter's fixed cost (not learned; measured on the "
+    "2-core CPU: 0.3 ms for 128-256 KiB)",
+)
+COST_PROBE_INTERVAL = Setting(
+    "GPU_PLANNER_COST_PROBE_INTERVAL",
+    64,
+    _count(0),
+    "an integer >= 0",
+    "at most one send in this many to a peer takes the path the cost model prices slower, and "
+    "only when it is priced at most 25% slower, so that both paths' figures stay current; 0 "
+    "never does",
 )
 BATCH_TIMEOUT_S = Setting(
     "GPU_PLANNER_BATCH_TIMEOUT_S",
@@ -276,6 +379,14 @@ SETTINGS: tuple[Setting, ...] = (
     RECEIVE_STAGING_BYTES,
     STAGING_MIN_DESCRIPTORS,
     STAGING_MAX_MEAN_BYTES,
+    COST_DIRECT_FIXED_US,
+    COST_STAGED_FIXED_US,
+    COST_REQUEST_US,
+    COST_LINK_GB_S,
+    COST_GATHER_GB_S,
+    COST_SCATTER_GB_S,
+    COST_SCATTER_FIXED_US,
+    COST_PROBE_INTERVAL,
     BATCH_TIMEOUT_S,
     MAX_ABANDONED_CALLS,
 )

@@ -67,7 +67,7 @@ def sglang_plugin() -> Section:
         return [("plugin", "GPU_PLANNER_DISABLE is set: sglang plans its own transfers")]
     if importlib.util.find_spec("sglang") is None:
         return [("plugin", "sglang is not installed")]
-    from gpu_planner.integration.sglang.plugin import hook_records, target_mismatch
+    from gpu_planner.integration.sglang.plugin import hook_records, why_not_registered
 
     try:
         records = hook_records()
@@ -75,8 +75,9 @@ def sglang_plugin() -> Section:
         reason = f"sglang's Mooncake connector does not import ({error})"
         return [("plugin", f"would not load: {reason}")]
     rows = [("plugin", "would load")]
+    refusals = why_not_registered(records)
     for record in records:
-        mismatch = target_mismatch(record.target, record.parameters)
+        mismatch = refusals[record.target]
         status = "hooked" if mismatch is None else f"not hooked: {mismatch}"
         rows.append((record.target, status))
     return rows
@@ -134,6 +135,57 @@ def receive_staging() -> Section:
     ]
 
 
+SHOWN_MEANS = (1024, 4096, 16384, 65536)  # descriptor sizes whose staging crossover info shows
+SHOWN_PEERS = 8  # peers whose learned figures info shows (the most recently used)
+
+
+def send_path() -> Section:
+    """The send-path cost model: how it chooses, its seeds, where they stage, peers learned here."""
+    from gpu_planner.integration.sglang import gathered, path_cost
+
+    costs = path_cost.path_costs()
+    seeds = costs.seeds
+    if costs.gate is None:
+        chooser = "the cost model, per peer, learned from its completed sends"
+    else:
+        knobs = f"{settings.STAGING_MIN_DESCRIPTORS.name} or {settings.STAGING_MAX_MEAN_BYTES.name}"
+        chooser = f"{costs.gate.describe()} ({knobs} set: the cost model only prices)"
+    direct, staged = seeds.describe()
+    slot_bytes = settings.loaded(settings.GATHER_STAGING_BYTES) // gathered.SLOTS
+    if slot_bytes:
+        crossovers = []
+        for mean in SHOWN_MEANS:
+            count = seeds.stages_from(mean, slot_bytes)
+            size = f"{mean // 1024} KiB"
+            crossovers.append(f"never at {size}" if count is None else f"{count} of {size}")
+        stages = "descriptors: " + ", ".join(crossovers)
+    else:
+        stages = f"never: no send staging ({settings.GATHER_STAGING_BYTES.name}=0)"
+    interval = costs.probe_interval
+    probe = (
+        f"at most 1 send in {interval} per peer on the path priced slower, when priced at most "
+        f"{path_cost.PROBE_MAX_LOSS:.0%} slower"
+        if interval
+        else f"off ({settings.COST_PROBE_INTERVAL.name}=0)"
+    )
+    rows = [
+        ("chooses by", chooser),
+        ("seeded direct", direct),
+        ("seeded staged", staged),
+        ("seeds stage from", stages),
+        ("probe", probe),
+    ]
+    peers = costs.peers()[-SHOWN_PEERS:]
+    if not peers:
+        rows.append(("peers", "none in this process: each starts from the seeds"))
+    for peer in reversed(peers):
+        figures = costs.figures(peer)
+        direct, staged = figures.describe()
+        sends = f"{figures.sends[0]} direct and {figures.sends[1]} staged sends"
+        rows.append((f"peer {peer}", f"direct {direct}; staged {staged} (from {sends})"))
+    return rows
+
+
 def report() -> str:
     """Every section, as aligned `name  value` lines under a heading each."""
     sections = {
@@ -142,6 +194,7 @@ def report() -> str:
         "planner backend by input": backends(),
         "Mooncake hand-off": mooncake_handoff(),
         "receive staging": receive_staging(),
+        "send path by cost": send_path(),
     }
     width = max(len(name) for rows in sections.values() for name, _ in rows)
     lines = []

@@ -197,8 +197,8 @@ def _new_staging(manager: Any) -> GatherStaging | _NoStaging:
         return _NoStaging(torch_device)
     try:
         return GatherStaging(manager, nbytes, torch_device)
-    except (RuntimeError, MemoryError) as error:  # torch's out-of-memory is a RuntimeError
-        return _NoStaging(f"{nbytes} bytes could not be allocated and registered ({error})")
+    except Exception as error:  # out of memory, a refused registration, a bug: no staging
+        return _NoStaging(f"{nbytes} bytes could not be allocated and registered ({error!r})")
 
 
 def release_staging(manager: Any) -> None:

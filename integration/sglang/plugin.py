@@ -25,6 +25,7 @@ import pkgutil
 from collections.abc import Callable
 
 from gpu_planner import cpu_backend, head_scatter, head_slices, settings
+from gpu_planner.integration.sglang.counters import record_fallback
 from gpu_planner.integration.sglang.fallback import around, log_fallback_once
 
 logger = logging.getLogger(__name__)
@@ -41,8 +42,15 @@ REGISTRATION_MESSAGE_TARGET = f"{_MOONCAKE}.MooncakeKVManager.build_receiver_reg
 METADATA_MESSAGE_TARGET = f"{_MOONCAKE}.MooncakeKVManager.build_receiver_metadata_message"
 CHUNK_READY_TARGET = f"{_COMMON}.handle_chunk_ready"
 PREFILL_STATUS_TARGET = f"{_COMMON}.apply_prefill_status"
+STATUS_PARSE_TARGET = f"{_COMMON}.parse_kv_status_message"
+UPDATE_STATUS_TARGET = f"{_COMMON}.update_status"
+RECEIVER_CLEAR_TARGET = "sglang.srt.disaggregation.common.conn.CommonKVReceiver.clear"
 REGISTRATION_INFO_TARGET = f"{_MOONCAKE}.KVArgsRegisterInfo.from_zmq"
 TRANSFER_INFO_TARGET = f"{_MOONCAKE}.TransferInfo.from_zmq"
+STATUS_ENCODE_TARGET = f"{_COMMON}._encode_kv_status_message"
+# Hooks that work only together: one that cannot register keeps the whole set out.
+DECODE_STAGING = "receive staging, decode side"
+PREFILL_STAGING = "receive staging, prefill side"
 
 Parameters = tuple[tuple[str, object], ...]
 
@@ -67,7 +75,8 @@ class HookRecord:
     returns what the original returned (with what the plugin adds to it) and
     lets no exception of its own out. `parameters` are the target's, as
     sglang 0.5.23 has them; `compile` runs once the hook is registered, so no
-    request waits for compilation.
+    request waits for compilation. Records of one `group` register all
+    together or not at all.
     """
 
     target: str
@@ -75,6 +84,7 @@ class HookRecord:
     parameters: Parameters
     compile: Callable[[], None] | None = None
     takes_original: bool = False
+    group: str | None = None
 
 
 def plugin_disabled() -> bool:
@@ -104,10 +114,18 @@ def register() -> None:
     except ImportError as error:
         log_fallback_once(f"sglang's Mooncake connector does not import ({error})")
         return
+    from gpu_planner.integration.sglang import receive_staging
+
+    refusals = why_not_registered(records)
+    groups_out = {r.group for r in records if r.group is not None and refusals[r.target]}
+    for group in sorted(groups_out):
+        first = next(refusals[r.target] for r in records if r.group == group and refusals[r.target])
+        logger.error("gpu_planner: no %s hook is registered: %s", group, first)
+        record_fallback(f"hooks not registered: {group}")
+    receive_staging.decode_hooks_registered(DECODE_STAGING not in groups_out)
     for record in records:
-        mismatch = target_mismatch(record.target, record.parameters)
-        if mismatch is not None:
-            log_fallback_once(mismatch)
+        if refusals[record.target] is not None:
+            log_fallback_once(refusals[record.target])
             continue
         hook = record.hook if record.takes_original else around(record.hook)
         HookRegistry.register(record.target, hook, HookType.AROUND)
@@ -179,6 +197,12 @@ def hook_records() -> list[HookRecord]:
         ("prefill_rank", empty),
         ("failure_reason", None),
     )
+    encode_parameters = (
+        ("self", empty),
+        ("bootstrap_room", empty),
+        ("status", empty),
+        ("failure_reason", empty),
+    )
 
     return [
         HookRecord(
@@ -210,12 +234,14 @@ def hook_records() -> list[HookRecord]:
             receive_staging.registration_message_hook,
             (("self", empty),),
             takes_original=True,
+            group=DECODE_STAGING,
         ),
         HookRecord(
             METADATA_MESSAGE_TARGET,
             receive_staging.metadata_message_hook,
             metadata_parameters,
             takes_original=True,
+            group=DECODE_STAGING,
         ),
         HookRecord(
             CHUNK_READY_TARGET,
@@ -223,26 +249,70 @@ def hook_records() -> list[HookRecord]:
             (("self", empty), ("msg", empty)),
             head_scatter.compile_kernels,  # decodes scatter staged chunks on the CPU loop
             takes_original=True,
+            group=DECODE_STAGING,
+        ),
+        HookRecord(
+            STATUS_PARSE_TARGET,
+            receive_staging.status_message_hook,
+            (("self", empty), ("msg", empty)),
+            takes_original=True,
+            group=DECODE_STAGING,
         ),
         HookRecord(
             PREFILL_STATUS_TARGET,
             receive_staging.prefill_status_hook,
             status_parameters,
             takes_original=True,
+            group=DECODE_STAGING,
+        ),
+        HookRecord(
+            UPDATE_STATUS_TARGET,
+            receive_staging.update_status_hook,
+            (("self", empty), ("bootstrap_room", empty), ("status", empty)),
+            takes_original=True,
+            group=DECODE_STAGING,
+        ),
+        HookRecord(
+            RECEIVER_CLEAR_TARGET,
+            receive_staging.receiver_clear_hook,
+            (("self", empty),),
+            takes_original=True,
+            group=DECODE_STAGING,
         ),
         HookRecord(
             REGISTRATION_INFO_TARGET,
             staged_send.registration_info_hook,
             (("msg", empty),),
             takes_original=True,
+            group=PREFILL_STAGING,
         ),
         HookRecord(
             TRANSFER_INFO_TARGET,
             staged_send.transfer_info_hook,
             (("msg", empty),),
             takes_original=True,
+            group=PREFILL_STAGING,
+        ),
+        HookRecord(
+            STATUS_ENCODE_TARGET,
+            staged_send.status_message_hook,
+            encode_parameters,
+            takes_original=True,
+            group=PREFILL_STAGING,
         ),
     ]
+
+
+def why_not_registered(records: list[HookRecord]) -> dict[str, str | None]:
+    """Each record's target: why its hook would not register (its own mismatch, or another
+    of its group's), or None."""
+    refusals = {r.target: target_mismatch(r.target, r.parameters) for r in records}
+    refused_by_group = {r.group: r.target for r in records if r.group and refusals[r.target]}
+    for record in records:
+        other = refused_by_group.get(record.group)
+        if record.group and refusals[record.target] is None and other is not None:
+            refusals[record.target] = f"{other} of the {record.group} hooks does not register"
+    return refusals
 
 
 def target_mismatch(target: str, expected: Parameters) -> str | None:

@@ -1,4 +1,4 @@
-"""Receive staging, decode side: a registered region, reservations, and scatters into KV pages.
+"""Receive staging, decode side: a registered region, lendings, and scatters into KV pages.
 
 A decode with the plugin registers one region of
 `GPU_PLANNER_RECEIVE_STAGING_BYTES` with Mooncake (on the KV buffers' GPU, or
@@ -8,25 +8,38 @@ the request a part of the region big enough for all of the request's pages
 of every KV buffer (`Reservation`, in the request's metadata) when one is
 free; none free: the request goes as today (counted, never waited for).
 
-A gpu_planner prefill that wrote part of the request there says so
-(`Staged`, before its status message, on the same socket). The decode
-checks the note against its own record of the request (its pages, both
-HiSparse spaces, its buffers; nothing the note says is an address) and
-scatters each chunk into the request's pages: host-backed buffers by the
-host pages, device-backed ones by the device pages, head slices (TP-down)
-into token slots. Before sglang counts a prefill rank's Success, every
-scatter of the room has completed (device events on GPU); a note that was
-refused, or a scatter that failed, turns that Success into Failed, so a
-request never arrives with KV that did not land.
+A gpu_planner prefill rank that wrote a chunk there says so (`Staged`,
+before its status message, on the same socket); every other chunk it sent
+went direct, and its Success status declares how many notes it sent
+(`Declared`). The decode checks each note against its own record of the
+request (its pages, both HiSparse spaces and which buffers take which, its
+buffers; nothing the note says is an address) and scatters each chunk into
+the request's pages: host-backed buffers by the host pages, device-backed
+ones by the device pages, head slices (TP-down) into token slots.
 
-Lending ends when the room concludes: Success frees the part at once; a
-failed, aborted or cleared room quarantines it for `QUARANTINE_S` (a prefill
-rank may still be writing), then frees it. Nothing here waits without a
-bound, and no exception leaves a hook: sglang's own result is returned.
+The invariant, kept in one place (`ReceiveRegion.refusal`): a lent request
+reaches Success only when every chunk is accounted for: each prefill rank
+that reports Success declared its staged notes, every declared note
+arrived, was accepted for this request's own lending, and scattered into
+this request's pages (its device events completed). Anything else (a note
+refused or unparseable, a count that does not match, a note without a
+declaration, notes staged into a lending the request does not hold) turns
+that Success into Failed with a `gpu_planner:` reason, as a failed
+transfer fails.
+
+A lending belongs to one request, not to a room id: its reservation id is
+random, and it ends on every path by which sglang ends the request: Success
+frees the part at once; Failed (a failed transfer, an abort, the waiting
+timeout), a cleared room and a room sglang opens again for a new request
+quarantine it for `QUARANTINE_S` (a prefill rank may still be writing),
+after which it is freed. A note for an ended lending scatters nothing.
+Nothing here waits without a bound, and no exception leaves a hook:
+sglang's own result is returned.
 """
 
 from __future__ import annotations
 
+import secrets
 import threading
 import time
 import weakref
@@ -49,32 +62,45 @@ from gpu_planner.integration.sglang.staging_wire import (
     Reservation,
     Staged,
     chunk_offset,
+    declared_notes,
     writer_part,
 )
 
 ALIGNMENT = 256  # bytes: every reservation starts as aligned as the region
-MAX_RESERVATIONS = 256  # rooms lent a part at once: bounds the bookkeeping
-QUARANTINE_S = 120.0  # a failed room's part waits this long: past sglang's transfer timeouts
+MAX_RESERVATIONS = 256  # lendings (lent and quarantined) at once: bounds the bookkeeping
+QUARANTINE_S = 120.0  # an ended lending's part waits this long: past sglang's transfer timeouts
 KV_POLL_SUCCESS = 4  # sglang's KVPoll.Success
 KV_POLL_FAILED = 0  # sglang's KVPoll.Failed
+HOST_BACKED_RATIO = 4  # sglang: HiSparse MLA layers of compression ratio 4 are host-backed
 
 
-@dataclass
-class LentRoom:
-    """One room's part of the region, the pages it scatters into, and what arrived."""
+@dataclass(eq=False)
+class Lending:
+    """One request's part of the region, the pages it scatters into, and what arrived."""
 
+    room: int
     reservation: Reservation
     host_pages: np.ndarray  # int64 [pages]: the request's pages, as the decode sent them
     device_pages: np.ndarray | None  # int64 [pages]: HiSparse's device pages, or None
-    claimed: dict[int, list[tuple[int, int]]] = field(default_factory=dict)  # writer: ranges
+    device_buffers: np.ndarray  # bool [buffers]: which decode buffers take the device pages
+    notes: dict[int, int] = field(default_factory=dict)  # prefill rank: notes scattered
+    claimed: dict[int, list[tuple[int, int]]] = field(default_factory=dict)  # rank: pages
     writers: int | None = None
     pending: list[Any] = field(default_factory=list)  # device events of launched scatters
-    refused: str | None = None  # why this room's staged KV must not count as arrived
-    quarantined_until: float | None = None
+    refused: str | None = None  # why this request's staged KV must not count as arrived
+    ended_at: float | None = None  # when the request ended (quarantine), None while it lives
+
+    def same_request(self, host_pages: np.ndarray, device_pages: np.ndarray | None) -> bool:
+        """Whether metadata with these pages is this lending's request asking again."""
+        if (device_pages is None) != (self.device_pages is None):
+            return False
+        return np.array_equal(self.host_pages, host_pages) and (
+            device_pages is None or np.array_equal(self.device_pages, device_pages)
+        )
 
 
 class ReceiveRegion:
-    """The decode's registered receive staging and the rooms it lends parts of it to."""
+    """The decode's registered receive staging and the requests it lends parts of it to."""
 
     def __init__(self, manager: Any, nbytes: int, torch_device: torch.device) -> None:
         """Allocate `nbytes` on `torch_device`, registered with `manager`'s engine wrapper.
@@ -94,9 +120,12 @@ class ReceiveRegion:
         self.release.atexit = False  # at exit, a prefill's write may still land
         self._kv = manager.kv_args
         self._page_bytes = sum(int(item_len) for item_len in self._kv.kv_item_lens)
+        self._num_buffers = len(self._kv.kv_data_ptrs)
+        self._device_buffers = device_backed_buffers(self._kv)
         self._free: list[tuple[int, int]] = [(0, nbytes)]  # (offset, bytes), by offset
-        self._rooms: dict[int, LentRoom] = {}
-        self._next_id = 1
+        self._lent: dict[int, Lending] = {}  # room: the lending of its live request
+        self._lendings: dict[int, Lending] = {}  # reservation id: every lending not yet freed
+        self._declared: tuple[int, int, dict[int, int] | str | None] | None = None
         self._lock = threading.Lock()
 
     # Scheduler thread: lending.
@@ -107,28 +136,43 @@ class ReceiveRegion:
         room: int,
         host_pages: np.ndarray,
         device_pages: np.ndarray | None,
-    ) -> Reservation | None:
-        """A part for `room`'s pages (the same one when asked again), or None when none is free."""
-        pages = len(host_pages)
-        nbytes = pages * self._page_bytes
+    ) -> Reservation | str:
+        """A part for `room`'s request (the same one when it asks again), or why none is lent."""
+        host_pages = np.array(host_pages, dtype=np.int64)
+        device_pages = None if device_pages is None else np.array(device_pages, dtype=np.int64)
+        nbytes = len(host_pages) * self._page_bytes
         with self._lock:
             self._sweep(request_status)
-            lent = self._rooms.get(room)
-            if lent is not None and lent.quarantined_until is None:
-                return lent.reservation if lent.reservation.pages == pages else None
-            if lent is not None or nbytes == 0 or len(self._rooms) >= MAX_RESERVATIONS:
-                return None
+            lent = self._lent.get(room)
+            if lent is not None and lent.same_request(host_pages, device_pages):
+                return lent.reservation
+            if lent is not None:  # other pages: a new request of this room
+                self._end(lent)
+            if nbytes == 0:
+                return "no pages"
+            if device_pages is not None and self._device_buffers is None:
+                return "HiSparse pages, but the decode's device-backed buffers are not known"
+            if len(self._lendings) >= MAX_RESERVATIONS:
+                return "receive staging full"
             offset = self._take(nbytes)
             if offset is None:
-                return None
-            reservation = Reservation(self._next_id, offset, nbytes, pages)
-            self._next_id += 1
-            self._rooms[room] = LentRoom(
-                reservation,
-                np.array(host_pages, dtype=np.int64),
-                None if device_pages is None else np.array(device_pages, dtype=np.int64),
-            )
+                return "receive staging full"
+            reservation = Reservation(self._new_id(), offset, nbytes, len(host_pages))
+            device_buffers = np.zeros(self._num_buffers, dtype=bool)
+            if device_pages is not None:
+                device_buffers = self._device_buffers
+            lending = Lending(room, reservation, host_pages, device_pages, device_buffers)
+            self._lent[room] = lending
+            self._lendings[reservation.reservation_id] = lending
             return reservation
+
+    def _new_id(self) -> int:
+        """A random reservation id no lending holds: a later request of a room, or of a decode
+        that restarted with the same region, cannot be taken for an earlier one."""
+        while True:
+            reservation_id = secrets.randbits(63)
+            if reservation_id and reservation_id not in self._lendings:
+                return reservation_id
 
     def _take(self, nbytes: int) -> int | None:
         """First fit; the caller holds the lock."""
@@ -141,10 +185,13 @@ class ReceiveRegion:
                 return offset
         return None
 
-    def _give_back(self, reservation: Reservation) -> None:
-        """Return a part to the free list, merging neighbours; the caller holds the lock."""
-        size = -(-reservation.nbytes // ALIGNMENT) * ALIGNMENT
-        self._free.append((reservation.offset, size))
+    def _give_back(self, lending: Lending) -> None:
+        """Free a lending's part, merging neighbours; the caller holds the lock."""
+        del self._lendings[lending.reservation.reservation_id]
+        if self._lent.get(lending.room) is lending:
+            del self._lent[lending.room]
+        size = -(-lending.reservation.nbytes // ALIGNMENT) * ALIGNMENT
+        self._free.append((lending.reservation.offset, size))
         self._free.sort()
         merged: list[tuple[int, int]] = []
         for offset, free in self._free:
@@ -154,19 +201,32 @@ class ReceiveRegion:
                 merged.append((offset, free))
         self._free = merged
 
+    def _end(self, lending: Lending) -> None:
+        """The request ended: quarantine its part; the caller holds the lock."""
+        if self._lent.get(lending.room) is lending:
+            del self._lent[lending.room]
+        if lending.ended_at is None:
+            lending.ended_at = time.monotonic()
+
     def _sweep(self, request_status: dict) -> None:
-        """Quarantine rooms sglang no longer tracks; free quarantined parts whose time is up."""
+        """End lendings of rooms sglang no longer tracks or failed; free quarantines run out."""
         now = time.monotonic()
-        for room, lent in list(self._rooms.items()):
-            if lent.quarantined_until is None and request_status.get(room) in (
+        for lending in list(self._lendings.values()):
+            if lending.ended_at is None and request_status.get(lending.room) in (
                 None,
                 KV_POLL_FAILED,
             ):
-                lent.quarantined_until = now + QUARANTINE_S
-            expired = lent.quarantined_until is not None and lent.quarantined_until <= now
-            if expired and all(event.query() for event in lent.pending):
-                del self._rooms[room]
-                self._give_back(lent.reservation)
+                self._end(lending)
+            expired = lending.ended_at is not None and lending.ended_at + QUARANTINE_S <= now
+            if expired and all(event.query() for event in lending.pending):
+                self._give_back(lending)
+
+    def end(self, room: int) -> None:
+        """sglang ended `room`'s request (failed, aborted, timed out, cleared, or opened anew)."""
+        with self._lock:
+            lending = self._lent.get(room)
+            if lending is not None:
+                self._end(lending)
 
     @property
     def free_bytes(self) -> int:
@@ -175,78 +235,100 @@ class ReceiveRegion:
 
     @property
     def lent_rooms(self) -> int:
+        """Lendings whose part is not free: lent to a live request, or quarantined."""
         with self._lock:
-            return len(self._rooms)
+            return len(self._lendings)
 
     # Decode thread: what prefills wrote, and their statuses.
 
     def on_staged(self, staged: Staged, request_status: dict) -> None:
-        """Scatter the chunks `staged` names, or remember why its room must fail.
+        """Scatter the chunks `staged` names, or remember why its request must fail.
 
-        A room sglang no longer tracks (cleared, or failed) gets no scatter: its
-        pages may already hold another request's KV.
+        A note for a lending that ended (its request failed, was cleared or
+        replaced) gets no scatter: its pages may already hold another
+        request's KV.
         """
         with self._lock:
-            lent = self._rooms.get(staged.room)
-            if lent is not None and request_status.get(staged.room) in (None, KV_POLL_FAILED):
-                if lent.quarantined_until is None:
-                    lent.quarantined_until = time.monotonic() + QUARANTINE_S
-                return
-        if lent is None or lent.quarantined_until is not None:
-            return  # the room was never lent, or ended: nothing counts it as arrived
+            lending = self._lendings.get(staged.reservation_id)
+            if lending is not None and lending.ended_at is None:
+                if lending.room != staged.room:
+                    lending.refused = f"a note for room {staged.room} names this room's part"
+                    lending = None
+                elif request_status.get(staged.room) in (None, KV_POLL_FAILED):
+                    self._end(lending)
+        if lending is None or lending.ended_at is not None:
+            record_receive_fallback("staged note for no live lending")
+            return  # nothing counts it as arrived, and an ended lending scatters nothing
         try:
-            chunks = self._check(lent, staged)
-            self._scatter(lent, staged, chunks)
-        except Exception as error:  # a hostile note or a failed scatter fails the room
-            lent.refused = f"{type(error).__name__}: {error}"
-            record_receive_fallback("staged chunk refused")
-            log_fallback_once(
-                f"a staged chunk was refused, its request fails ({lent.refused})",
-                key="staged chunk refused",
-            )
+            chunks = self._check(lending, staged)
+            self._scatter(lending, staged, chunks)
+        except Exception as error:  # a hostile note or a failed scatter fails the request
+            self._refuse(lending, f"{type(error).__name__}: {error}")
+            return
+        with self._lock:
+            lending.notes[staged.prefill_rank] = lending.notes.get(staged.prefill_rank, 0) + 1
 
-    def _check(self, lent: LentRoom, staged: Staged) -> list[tuple[int, int]]:
-        """The note's chunks, checked against what the decode knows of the room."""
-        reservation = lent.reservation
-        if staged.reservation_id != reservation.reservation_id:
-            raise ValueError(
-                f"reservation {staged.reservation_id}, but room {staged.room} holds "
-                f"{reservation.reservation_id}"
+    def on_unparsed(self, frames: object, error: Exception) -> None:
+        """A note that does not parse: it fails the live lending its room frame names."""
+        room = Staged.room_named(frames)
+        with self._lock:
+            lending = None if room is None else self._lent.get(room)
+        if lending is None:
+            record_receive_fallback("staged note malformed")
+            log_fallback_once(
+                f"a malformed staged note naming no lent room was dropped ({error})",
+                key="staged malformed",
             )
-        if lent.writers not in (None, staged.writers):
-            raise ValueError(f"{staged.writers} writers, after {lent.writers} for this room")
-        num_buffers = len(self._kv.kv_data_ptrs)
-        if int(staged.entries.max()) >= num_buffers:
-            raise ValueError(f"entry {int(staged.entries.max())} of {num_buffers} KV buffers")
-        if staged.is_device.any() and lent.device_pages is None:
-            raise ValueError("device-backed entries, but the request has no device pages")
+            return
+        self._refuse(lending, f"a staged note that does not parse ({error})")
+
+    def _refuse(self, lending: Lending, reason: str) -> None:
+        lending.refused = lending.refused or reason
+        record_receive_fallback("staged chunk refused")
+        log_fallback_once(
+            f"a staged chunk was refused, its request fails ({reason})", key="staged chunk refused"
+        )
+
+    def _check(self, lending: Lending, staged: Staged) -> list[tuple[int, int]]:
+        """The note's chunks, checked against what the decode knows of the request."""
+        reservation = lending.reservation
+        if lending.writers not in (None, staged.writers):
+            raise ValueError(f"{staged.writers} writers, after {lending.writers} for this room")
+        if sorted(staged.entries.tolist()) != list(range(self._num_buffers)):
+            raise ValueError(f"entries {staged.entries.tolist()}: not every KV buffer once")
+        expected_device = lending.device_buffers[staged.entries]
+        if (staged.is_device != expected_device).any():
+            entry = int(staged.entries[np.flatnonzero(staged.is_device != expected_device)[0]])
+            space = "device" if expected_device[staged.entries.tolist().index(entry)] else "host"
+            raise ValueError(f"buffer {entry} takes the request's {space} pages, not the note's")
         unit = staged.writers * int(self._kv.page_size)
         item_lens = np.asarray(self._kv.kv_item_lens, dtype=np.int64)
         if (item_lens % unit).any() or self._page_bytes % staged.writers:
             raise ValueError(f"KV pages that {staged.writers} writers cannot share by tokens")
-        claimed = lent.claimed.setdefault(staged.writer, [])
+        claimed = lending.claimed.setdefault(staged.prefill_rank, [])
         chunks = []
         for start, count in staged.chunks.tolist():
             if count <= 0 or start + count > reservation.pages:
                 raise ValueError(f"pages [{start}, {start + count}) of {reservation.pages}")
             if any(start < end and other < start + count for other, end in claimed):
-                raise ValueError(f"pages [{start}, {start + count}) written twice")
+                raise ValueError(f"pages [{start}, {start + count}) written twice by one rank")
             claimed.append((start, start + count))
             chunks.append((start, count))
-        lent.writers = staged.writers
+        lending.writers = staged.writers
         return chunks
 
-    def _scatter(self, lent: LentRoom, staged: Staged, chunks: list[tuple[int, int]]) -> None:
+    def _scatter(self, lending: Lending, staged: Staged, chunks: list[tuple[int, int]]) -> None:
         """Scatter each chunk into its pages; on a device, record the event Success waits for."""
         entries = staged.entries
         dst_ptrs = [int(self._kv.kv_data_ptrs[entry]) for entry in entries]
         dst_page_lens = [int(self._kv.kv_item_lens[entry]) for entry in entries]
         dst_lens = [int(self._kv.kv_data_lens[entry]) for entry in entries]
-        part, _ = writer_part(lent.reservation.nbytes, staged.writers, staged.writer)
+        part, _ = writer_part(lending.reservation.nbytes, staged.writers, staged.writer)
+        device_pages = lending.device_pages
         runtime = cuda_runtime()
         with on_torch_device(self.torch_device):
             for start, count in chunks:
-                base = lent.reservation.offset + part
+                base = lending.reservation.offset + part
                 base += chunk_offset(self._page_bytes, staged.writers, start)
                 layout = scatter_layout(
                     dst_ptrs,
@@ -257,10 +339,9 @@ class ReceiveRegion:
                     staged_base=base,
                     num_pages=count,
                 )
-                device_pages = lent.device_pages
                 scatter_head_slices(
                     layout,
-                    lent.host_pages[start : start + count],
+                    lending.host_pages[start : start + count],
                     self.region,
                     dst_lens,
                     dst_device_pages=None
@@ -271,32 +352,86 @@ class ReceiveRegion:
             if runtime.runs_on_device(self.torch_device):
                 event = runtime.new_event()
                 event.record(runtime.current_stream(self.torch_device))
-                lent.pending.append(event)
+                lending.pending.append(event)
         record_scatter(len(chunks))
 
-    def before_status(self, room: int, status: int) -> str | None:
-        """Before sglang applies a rank's status: its scatters done; why to fail it, or None."""
+    def on_declared(self, room: int, prefill_rank: int, declared: dict[int, int] | str | None):
+        """What the status sglang just parsed declared (None: nothing; str: malformed)."""
         with self._lock:
-            lent = self._rooms.get(room)
-        if lent is None or status != KV_POLL_SUCCESS:
-            return None
-        for event in lent.pending:
+            self._declared = (room, prefill_rank, declared)
+
+    def refusal(self, room: int, status: int, prefill_rank: int) -> str | None:
+        """Before sglang applies a rank's status: why its Success must be Failed, else None.
+
+        The one place the invariant is decided (the module's docstring); waits
+        for the request's scatters to complete first.
+        """
+        with self._lock:
+            parsed, self._declared = self._declared, None
+            lending = self._lent.get(room)
+            declared = parsed[2] if parsed and parsed[:2] == (room, prefill_rank) else None
+            if status != KV_POLL_SUCCESS:
+                return None
+            if isinstance(declared, str):
+                return f"gpu_planner: prefill rank {prefill_rank}'s declaration: {declared}"
+            for reservation_id, notes in (declared or {}).items():
+                other = self._lendings.get(reservation_id)
+                if notes and other is not None and other is not lending and other.room == room:
+                    return (
+                        f"gpu_planner: prefill rank {prefill_rank} staged {notes} chunks into a "
+                        "part lent to an earlier request of this room"
+                    )
+            if lending is None:
+                return None
+            pending, lending.pending = lending.pending, []
+        for event in pending:
             event.synchronize()
-        lent.pending.clear()
-        return None if lent.refused is None else f"gpu_planner: {lent.refused}"
+        with self._lock:
+            arrived = lending.notes.get(prefill_rank, 0)
+            expected = (declared or {}).get(lending.reservation.reservation_id)
+            if lending.refused is not None:
+                return f"gpu_planner: {lending.refused}"
+            if expected is None and arrived:
+                return (
+                    f"gpu_planner: prefill rank {prefill_rank} staged {arrived} chunks but its "
+                    "status declares none"
+                )
+            if expected is not None and expected != arrived:
+                return (
+                    f"gpu_planner: prefill rank {prefill_rank} declared {expected} staged "
+                    f"chunks, {arrived} arrived and scattered"
+                )
+        return None
 
     def after_status(self, request_status: dict, room: int) -> None:
-        """After sglang applied it: a room that succeeded gives its part back now."""
+        """After sglang applied it: a request that succeeded gives its part back now."""
         with self._lock:
-            lent = self._rooms.get(room)
-            if lent is None or lent.quarantined_until is not None:
+            lending = self._lent.get(room)
+            if lending is None:
                 return
             state = request_status.get(room)
-            if state == KV_POLL_SUCCESS and not lent.pending:
-                del self._rooms[room]
-                self._give_back(lent.reservation)
+            if state == KV_POLL_SUCCESS and not lending.pending:
+                self._give_back(lending)
             elif state in (None, KV_POLL_FAILED):
-                lent.quarantined_until = time.monotonic() + QUARANTINE_S
+                self._end(lending)
+
+
+def device_backed_buffers(kv_args: Any) -> np.ndarray | None:
+    """Which decode KV buffers take HiSparse's device pages, by sglang's own rule; None if
+    `kv_args` does not say (`MooncakeKVManager.send_kvcache`: MLA layers of compression
+    ratio 4 are host-backed, else every buffer before the draft entries is)."""
+    num_buffers = len(kv_args.kv_data_ptrs)
+    ratios = getattr(kv_args, "mla_compression_ratios", None)
+    draft = getattr(kv_args, "num_draft_entries", 0) or 0
+    if ratios is not None:
+        if len(ratios) != num_buffers:
+            return None
+        host_backed = sum(ratio == HOST_BACKED_RATIO for ratio in ratios)
+    elif 0 < draft < num_buffers:
+        host_backed = num_buffers - draft
+    else:
+        return None
+    return np.arange(num_buffers) >= host_backed
 
 
 class _NoRegion:
@@ -361,18 +496,29 @@ def _new_region(manager: Any) -> ReceiveRegion | _NoRegion:
     nbytes = settings.loaded(settings.RECEIVE_STAGING_BYTES)
     if nbytes == 0:
         return _NoRegion(f"{settings.RECEIVE_STAGING_BYTES.name}=0")
+    if not _decode_hooks_registered:
+        return _NoRegion("the decode's receive-staging hooks are not all registered")
     if getattr(manager, "enable_staging", False):
         return _NoRegion("sglang's own staging (SGLANG_DISAGG_STAGING_BUFFER) handles this decode")
     kv_args = getattr(manager, "kv_args", None)
     if kv_args is None or not getattr(kv_args, "kv_data_ptrs", None):
         return _NoRegion("a manager without KV buffers")
-    torch_device = receive_device(kv_args)
-    if isinstance(torch_device, str):
-        return _NoRegion(torch_device)
     try:
+        torch_device = receive_device(kv_args)
+        if isinstance(torch_device, str):
+            return _NoRegion(torch_device)
         return ReceiveRegion(manager, nbytes, torch_device)
-    except (RuntimeError, MemoryError) as error:
-        return _NoRegion(f"{nbytes} bytes could not be allocated and registered ({error})")
+    except Exception as error:  # out of memory, a refused registration, a bug: no region
+        return _NoRegion(f"{nbytes} bytes could not be allocated and registered ({error!r})")
+
+
+_decode_hooks_registered = True  # False when the plugin could not register all of them
+
+
+def decode_hooks_registered(registered: bool) -> None:
+    """Whether every hook of the decode's set is registered (the plugin says, once)."""
+    global _decode_hooks_registered
+    _decode_hooks_registered = registered
 
 
 # The decode's hooks. Each returns what sglang's own code returns (plus the
@@ -403,15 +549,16 @@ def metadata_message_hook(original: Any, manager: Any, *args: Any, **kwargs: Any
         region = existing_region(manager) if _is_decode(manager) and not args else None
         if region is None or kwargs.get("is_dummy"):
             return frames
-        pages = kwargs["kv_indices"]
-        device_pages = kwargs.get("device_kv_indices")
-        reservation = region.reserve(
-            manager.request_status, int(kwargs["bootstrap_room"]), pages, device_pages
+        lent = region.reserve(
+            manager.request_status,
+            int(kwargs["bootstrap_room"]),
+            kwargs["kv_indices"],
+            kwargs.get("device_kv_indices"),
         )
-        if reservation is None:
-            record_receive_fallback("receive staging full")
+        if isinstance(lent, str):
+            record_receive_fallback(lent)
             return frames
-        return [*frames, *reservation.frames()]
+        return [*frames, *lent.frames()]
     except Exception as error:  # lend nothing: the request goes as today
         log_fallback_once(f"no receive staging lent ({error})", key="receive staging not lent")
     return frames
@@ -423,11 +570,35 @@ def chunk_ready_hook(original: Any, manager: Any, msg: Any, *args: Any, **kwargs
         return original(manager, msg, *args, **kwargs)
     try:
         region = existing_region(manager)
-        if region is not None:
-            region.on_staged(Staged.from_frames(msg), manager.request_status)
-    except Exception as error:  # a malformed note names no room it could fail: drop it
-        log_fallback_once(f"a malformed staged note was dropped ({error})", key="staged malformed")
+        if region is None:
+            return True
+        try:
+            staged = Staged.from_frames(msg)
+        except Exception as error:  # it fails the lent room it names, if it names one
+            region.on_unparsed(msg, error)
+            return True
+        region.on_staged(staged, manager.request_status)
+    except Exception as error:
+        log_fallback_once(f"a staged note was dropped ({error})", key="staged malformed")
     return True
+
+
+def status_message_hook(original: Any, manager: Any, msg: Any, *args: Any, **kwargs: Any) -> Any:
+    """sglang's parse of a prefill's status; keeps what a gpu_planner prefill declared."""
+    parsed = original(manager, msg, *args, **kwargs)
+    if parsed is None:
+        return parsed
+    try:
+        region = existing_region(manager)
+        if region is not None:
+            try:
+                declared: dict[int, int] | str | None = declared_notes(msg)
+            except Exception as error:  # a malformed declaration fails the rank's Success
+                declared = str(error)
+            region.on_declared(parsed[0], parsed[2], declared)
+    except Exception as error:
+        log_fallback_once(f"a status declaration was dropped ({error})", key="staged books")
+    return parsed
 
 
 def prefill_status_hook(original: Any, manager: Any, *args: Any, **kwargs: Any) -> Any:
@@ -436,7 +607,7 @@ def prefill_status_hook(original: Any, manager: Any, *args: Any, **kwargs: Any) 
     room = kwargs.get("bootstrap_room")
     if region is not None and room is not None:
         try:
-            refusal = region.before_status(room, kwargs.get("status"))
+            refusal = region.refusal(room, kwargs.get("status"), kwargs.get("prefill_rank"))
         except Exception as error:  # a scatter that cannot be waited for did not land
             refusal = f"gpu_planner: a scatter failed ({error})"
         if refusal is not None:
@@ -448,3 +619,47 @@ def prefill_status_hook(original: Any, manager: Any, *args: Any, **kwargs: Any) 
         except Exception as error:
             log_fallback_once(f"receive staging bookkeeping failed ({error})", key="staged books")
     return result
+
+
+def update_status_hook(original: Any, manager: Any, *args: Any, **kwargs: Any) -> Any:
+    """sglang's room status update; a Failed room, or one opened anew, ends its lending.
+
+    Every way sglang fails a request (a failed transfer, an abort, the
+    waiting timeout) sets Failed here; a new request of a room sglang
+    cleared opens it here again.
+    """
+    region = existing_region(manager)
+    if region is None:
+        return original(manager, *args, **kwargs)
+    try:
+        room, status = _room_and_status(args, kwargs)
+        opened = room not in manager.request_status
+    except Exception:  # not the call sglang 0.5.23 makes: leave the lending to the sweep
+        return original(manager, *args, **kwargs)
+    result = original(manager, *args, **kwargs)
+    try:
+        if opened or int(status) == KV_POLL_FAILED:
+            region.end(room)
+    except Exception as error:
+        log_fallback_once(f"receive staging bookkeeping failed ({error})", key="staged books")
+    return result
+
+
+def receiver_clear_hook(original: Any, receiver: Any, *args: Any, **kwargs: Any) -> Any:
+    """sglang's receiver clean-up; a room it forgot ends its lending."""
+    result = original(receiver, *args, **kwargs)
+    try:
+        manager = receiver.kv_mgr
+        region = existing_region(manager)
+        room = receiver.bootstrap_room
+        if region is not None and room not in manager.request_status:
+            region.end(room)
+    except Exception as error:
+        log_fallback_once(f"receive staging bookkeeping failed ({error})", key="staged books")
+    return result
+
+
+def _room_and_status(args: tuple, kwargs: dict) -> tuple[int, int]:
+    """(bootstrap_room, status) of an `update_status(bootstrap_room, status)` call."""
+    values = dict(zip(("bootstrap_room", "status"), args, strict=False)) | kwargs
+    return values["bootstrap_room"], values["status"]

@@ -56,18 +56,20 @@ from gpu_planner.integration.sglang.staging_wire import (
     Reservation,
     Staged,
     chunk_offset,
+    declared_frames,
     writer_part,
 )
 from gpu_planner.layout import BufferLayout
 
+KV_POLL_SUCCESS = 4  # sglang's KVPoll.Success
 _peers: dict[str, Capability] = {}  # decode session -> its advertised region
 _routes: dict[int, Route] = {}  # id of a TransferInfo's page array -> its lent part
 _lock = threading.Lock()
 
 
-@dataclass(frozen=True)
+@dataclass(eq=False)
 class Route:
-    """Where one request's staged bytes go, and whom to tell."""
+    """Where one request's staged bytes go, whom to tell, and how many notes it was told."""
 
     room: int
     session: str
@@ -77,6 +79,7 @@ class Route:
     reservation: Reservation
     pages: weakref.ref  # the TransferInfo's destination pages (the send's slices view them):
     # weak, so that the route ends with sglang's TransferInfo
+    staged_notes: int = 0  # notes sent for this request: its Success status declares them
 
 
 def registration_info_hook(original: Any, cls: Any, msg: Any, *args: Any, **kwargs: Any) -> Any:
@@ -85,6 +88,8 @@ def registration_info_hook(original: Any, cls: Any, msg: Any, *args: Any, **kwar
     session = getattr(info, "mooncake_session_id", None)
     try:
         capability = Capability.from_registration(msg)
+        if capability is not None:
+            _check_apart(capability, info)
     except Exception as error:  # malformed or hostile: ignored, the peer sends as today
         capability = None
         log_fallback_once(
@@ -97,6 +102,32 @@ def registration_info_hook(original: Any, cls: Any, msg: Any, *args: Any, **kwar
         else:
             _peers[session] = capability
     return info
+
+
+def _check_apart(capability: Capability, info: Any) -> None:
+    """`ValueError` when the advertised region overlaps what else the decode registered.
+
+    sglang's registration carries each buffer's base (KV, aux, state, its own
+    staging) and each KV buffer's page length, not its size: no base may lie
+    inside the region, nor the region inside a KV buffer's first page.
+    """
+    start, end = capability.address, capability.address + capability.nbytes
+    kv_ptrs = [int(ptr) for ptr in info.dst_kv_ptrs]
+    item_lens = list(info.dst_kv_item_lens) or [int(info.dst_kv_item_len)] * len(kv_ptrs)
+    state_ptrs = [int(ptr) for ptrs in info.dst_state_data_ptrs for ptr in ptrs]
+    bases = kv_ptrs + [int(ptr) for ptr in info.dst_aux_ptrs] + state_ptrs
+    bases += [int(info.staging_base_ptr)] if info.staging_base_ptr else []
+    inside = [base for base in bases if start <= base < end]
+    first_pages = [
+        (ptr, ptr + int(item_len))
+        for ptr, item_len in zip(kv_ptrs, item_lens, strict=False)
+        if ptr < end and start < ptr + int(item_len)
+    ]
+    if inside or first_pages:
+        at = inside[0] if inside else first_pages[0][0]
+        raise ValueError(
+            f"{capability.nbytes} bytes at {start} overlap the decode's registered buffer at {at}"
+        )
 
 
 def transfer_info_hook(original: Any, cls: Any, msg: Any, *args: Any, **kwargs: Any) -> Any:
@@ -230,6 +261,8 @@ def send_staged(
         return None
     if dst_pages.size != src_pages.size:
         return _not_staged("page lists of unequal lengths")
+    if getattr(manager, "deferred_bootstrap", None) is not None:
+        return _not_staged("sglang publishes this prefill's Success later (deferred bootstrap)")
     page_lens = entries.src_page_lens
     chunk_page_bytes = int(page_lens.sum())
     below_gate = _below_gate(descriptors, src_pages.size * chunk_page_bytes)
@@ -244,6 +277,10 @@ def send_staged(
     if isinstance(decode, str):
         return _not_staged(decode)
     decode_page_bytes, entry_ids = decode
+    try:
+        prefill_rank = int(manager._prefill_unique_rank())
+    except Exception as error:  # a manager without sglang's rank fields: no note could name it
+        return _not_staged(f"this prefill's rank is not known ({error})")
     num_pages = src_pages.size
     reservation = route.reservation
     if (
@@ -311,6 +348,7 @@ def send_staged(
     staged = Staged(
         room=route.room,
         reservation_id=reservation.reservation_id,
+        prefill_rank=prefill_rank,
         writer=entries.writer,
         writers=entries.writers,
         entries=np.asarray(entry_ids, dtype=np.int64),
@@ -318,6 +356,8 @@ def send_staged(
         chunks=np.array([(page_start + first, count) for first, count in chunks], dtype=np.int64),
     )
     _notify(manager, route, staged)
+    with _lock:
+        route.staged_notes += 1
     return 0
 
 
@@ -349,7 +389,44 @@ def _decode_entries(
         if position is None or int(item_lens[position]) != entries.writers * page_len:
             return "a destination that is not a whole decode KV buffer"
         entry_ids.append(position)
+    if sorted(entry_ids) != list(range(len(dst_ptrs))):
+        # A pipeline stage holds some layers: the staged layout places a chunk of every
+        # decode buffer, so stages writing their own layers there would overlap.
+        return "the send writes only some of the decode's KV buffers (a pipeline stage)"
     return sum(int(item_len) for item_len in item_lens), entry_ids
+
+
+def declarations(manager: Any, room: int) -> dict[int, int]:
+    """{reservation id: staged notes sent} of `room`'s requests toward staging decodes.
+
+    What this rank's Success status for `room` declares: every chunk of a
+    lent request that no note names went direct.
+    """
+    infos = getattr(manager, "transfer_infos", {}).get(room) or {}
+    declared = {}
+    with _lock:
+        for info in infos.values():
+            pages = getattr(info, "dst_kv_indices", None)
+            route = _routes.get(id(pages))
+            if route is not None and route.pages() is pages:
+                declared[route.reservation.reservation_id] = route.staged_notes
+    return declared
+
+
+def status_message_hook(original: Any, manager: Any, *args: Any, **kwargs: Any) -> Any:
+    """sglang's status message; a Success declares the notes sent for each lent request."""
+    parts = original(manager, *args, **kwargs)
+    try:
+        if int(kwargs.get("status", -1)) != KV_POLL_SUCCESS or args:
+            return parts
+        declared = declarations(manager, kwargs["bootstrap_room"])
+        if not declared:
+            return parts
+        reason = [] if manager.kv_status_msg_carries_reason else [b""]  # sglang reads frame 3
+        return [*parts, *reason, *declared_frames(declared)]
+    except Exception as error:  # nothing declared: a decode that got notes fails the request
+        log_fallback_once(f"a status declared no staged notes ({error})", key="not declared")
+    return parts
 
 
 def _notify(manager: Any, route: Route, staged: Staged) -> None:

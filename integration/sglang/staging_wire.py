@@ -14,8 +14,18 @@ recognise:
   `TransferInfo.from_zmq` reads frames 0-9 only.
 - `Staged` (prefill -> decode), a message of its own on the ZMQ socket that
   carries sglang's status messages, sent after the writes it names ended and
-  so before that prefill rank's status: which decode buffers, pages and head
-  slice one prefill rank wrote into the reservation.
+  so before that prefill rank's status: which prefill rank wrote which pages
+  of every decode buffer (and which head share) into the reservation.
+- `Declared` (prefill -> decode), appended to a prefill rank's Success status
+  (after sglang's frames, which the decode's parser reads up to frame 3): for
+  each reservation the rank's request holds, how many `Staged` notes the rank
+  sent for it. Every chunk the rank sent that no note names went direct into
+  the request's pages, so the decode counts a request's KV as arrived only
+  when every declared note arrived and scattered (`receive_staging`).
+
+Version 2 (every tag ends in /2) added the prefill rank to `Staged` and the
+`Declared` count; a peer speaking another version sees no tag it knows and
+sends or receives as plain sglang.
 
 Where the bytes go (both peers compute it; the decode never takes an offset
 from the wire): a reservation of `P` pages holds `P * sum(item_lens)` bytes
@@ -39,13 +49,16 @@ import numpy as np
 from gpu_planner.inputs import INT64_MAX
 from gpu_planner.integration.sglang.frames import MAX_RANKS, FrameError, parse_int
 
-CAPABILITY_TAG = b"gpu_planner.receive_staging/1"
-RESERVATION_TAG = b"gpu_planner.reservation/1"
-STAGED_TAG = b"gpu_planner.staged/1"
+CAPABILITY_TAG = b"gpu_planner.receive_staging/2"
+RESERVATION_TAG = b"gpu_planner.reservation/2"
+STAGED_TAG = b"gpu_planner.staged/2"
+DECLARED_TAG = b"gpu_planner.declared/2"
 SGLANG_REGISTRATION_FRAMES = 20  # KVArgsRegisterInfo.from_zmq reads frames 0-19
 SGLANG_METADATA_FRAMES = 10  # TransferInfo.from_zmq reads frames 0-9
-STAGED_FRAMES = 8
+SGLANG_STATUS_FRAMES = 4  # parse_kv_status_message reads room, status, rank, reason
+STAGED_FRAMES = 9
 MAX_ENTRIES = 1 << 16  # decode KV buffers: far beyond any model
+MAX_DECLARED = 1 << 10  # reservations one status declares: one per decode rank it concludes
 
 
 def _tagged_frame(frames: list[bytes], first: int, tag: bytes) -> bytes | None:
@@ -146,14 +159,17 @@ def chunk_offset(page_bytes: int, writers: int, page_start: int) -> int:
 class Staged:
     """One prefill rank's note that it wrote `chunks` of its head slice into a reservation.
 
-    `entries` are decode KV buffer indices (into its registered `kv_data_ptrs`)
-    in the order their staged pages lie in each chunk; `is_device[i]` says
-    entry `i` takes the request's device pages (HiSparse), else its host pages;
-    each chunk is (first page, pages) in the request's page positions.
+    `prefill_rank` is the rank as its status names it (sglang's
+    `_prefill_unique_rank`); `entries` are decode KV buffer indices (into its
+    registered `kv_data_ptrs`) in the order their staged pages lie in each
+    chunk; `is_device[i]` says entry `i` takes the request's device pages
+    (HiSparse), else its host pages; each chunk is (first page, pages) in the
+    request's page positions.
     """
 
     room: int
     reservation_id: int
+    prefill_rank: int
     writer: int
     writers: int
     entries: np.ndarray  # int64 [entries]
@@ -165,6 +181,7 @@ class Staged:
             STAGED_TAG,
             str(self.room).encode("ascii"),
             str(self.reservation_id).encode("ascii"),
+            str(self.prefill_rank).encode("ascii"),
             str(self.writer).encode("ascii"),
             str(self.writers).encode("ascii"),
             np.asarray(self.entries, dtype="<u4").tobytes(),
@@ -179,8 +196,8 @@ class Staged:
             raise FrameError(f"not a staged message: expected {STAGED_FRAMES} frames")
         if not all(isinstance(frame, bytes) for frame in frames) or frames[0] != STAGED_TAG:
             raise FrameError("not a staged message: wrong tag or non-bytes frames")
-        writers = parse_int(frames[4], "writers", 1, MAX_RANKS)
-        entries_frame, device_frame, chunks_frame = frames[5:]
+        writers = parse_int(frames[5], "writers", 1, MAX_RANKS)
+        entries_frame, device_frame, chunks_frame = frames[6:]
         if len(entries_frame) % 4 or not entries_frame:
             raise FrameError(f"entries: {len(entries_frame)} bytes is not whole u32 values")
         entries = np.frombuffer(entries_frame, dtype="<u4").astype(np.int64)
@@ -196,9 +213,43 @@ class Staged:
         return cls(
             room=parse_int(frames[1], "room", 0, 2**64 - 1),
             reservation_id=parse_int(frames[2], "reservation_id", 0, INT64_MAX),
-            writer=parse_int(frames[3], "writer", 0, writers - 1),
+            prefill_rank=parse_int(frames[3], "prefill_rank", 0, MAX_RANKS**3),
+            writer=parse_int(frames[4], "writer", 0, writers - 1),
             writers=writers,
             entries=entries,
             is_device=np.frombuffer(device_frame, dtype=np.uint8).astype(bool),
             chunks=chunks.astype(np.int64),
         )
+
+    @staticmethod
+    def room_named(frames: object) -> int | None:
+        """The room a note that does not parse still names in its room frame, or None."""
+        if not isinstance(frames, list) or len(frames) < 2 or frames[0] != STAGED_TAG:
+            return None
+        try:
+            return parse_int(frames[1], "room", 0, 2**64 - 1)
+        except FrameError:
+            return None
+
+
+def declared_frames(notes_by_reservation: dict[int, int]) -> list[bytes]:
+    """`Declared`: the frames to append to a Success status, {reservation id: notes sent}."""
+    values = [value for pair in notes_by_reservation.items() for value in pair]
+    return [DECLARED_TAG, struct.pack(f"<{len(values)}Q", *values)]
+
+
+def declared_notes(status_frames: list[bytes]) -> dict[int, int] | None:
+    """{reservation id: notes the rank sent} a status declares; None for a plain sglang prefill.
+
+    `FrameError` when the declaration is there but malformed.
+    """
+    frame = _tagged_frame(status_frames, SGLANG_STATUS_FRAMES - 1, DECLARED_TAG)
+    if frame is None:
+        return None
+    if len(frame) % 16 or len(frame) > 16 * MAX_DECLARED:
+        raise FrameError(f"declared: {len(frame)} bytes is not up to {MAX_DECLARED} u64 pairs")
+    values = _u64s(frame, len(frame) // 8, "declared")
+    declared = dict(zip(values[::2], values[1::2], strict=True))
+    if len(declared) != len(values) // 2:
+        raise FrameError("declared: a reservation declared twice")
+    return declared

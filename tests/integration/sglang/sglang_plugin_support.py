@@ -47,6 +47,7 @@ __all__ = [
     "RecordingEngine",
     "common",
     "conn",
+    "deliver_status",
     "hooked_send",
     "make_decode_manager",
     "make_manager",
@@ -103,3 +104,21 @@ class KVPool:
         item_len = self.item_lens[buffer]
         start = self.offsets[buffer] + page * item_len
         return slice(start, start + item_len)
+
+
+def deliver_status(prefill, decode, room: int, status: int, failure_reason=None) -> None:
+    """A prefill rank's status, as sglang moves it: encoded by the prefill's manager, parsed
+    and applied by the decode's (hooked, both sides), as `start_decode_thread` does."""
+    frames = conn.MooncakeKVManager._encode_kv_status_message(
+        prefill, bootstrap_room=room, status=status, failure_reason=failure_reason
+    )
+    parsed = conn.MooncakeKVManager.parse_kv_status_message(decode, frames)
+    assert parsed is not None, frames
+    parsed_room, parsed_status, prefill_rank, reason = parsed
+    conn.MooncakeKVManager.apply_prefill_status(
+        decode,
+        bootstrap_room=parsed_room,
+        status=parsed_status,
+        prefill_rank=prefill_rank,
+        failure_reason=reason,
+    )

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import inspect
 import threading
 import time
 
@@ -26,6 +27,7 @@ from sglang_plugin_support import (
     ORIGINALS,
     KVPool,
     conn,
+    deliver_status,
     hooked_send,
     make_decode_manager,
     make_manager,
@@ -51,9 +53,12 @@ def kv_pool(engine, item_lens: list[int], seed: int | None) -> KVPool:
     return KVPool(engine, item_lens, fill, seed or 0, pages=POOL_PAGES)
 
 
-def decode_manager(engine, pool: KVPool) -> conn.MooncakeKVManager:
-    """A real decode-side manager over `pool` (`bench.sglang_manager.make_decode_manager`)."""
-    return make_decode_manager(engine, pool.ptrs, pool.lens, pool.item_lens, PAGE_SIZE)
+def decode_manager(engine, pool: KVPool, device_buffers: int = 0) -> conn.MooncakeKVManager:
+    """A real decode-side manager over `pool` (`bench.sglang_manager.make_decode_manager`);
+    with HiSparse pages its last `device_buffers` buffers take the device pages."""
+    return make_decode_manager(
+        engine, pool.ptrs, pool.lens, pool.item_lens, PAGE_SIZE, num_draft_entries=device_buffers
+    )
 
 
 def fragmented(rng: np.random.Generator, count: int, dtype=np.int32) -> np.ndarray:
@@ -81,7 +86,7 @@ class Deployment:
         prefill_engine, decode_engine = engines
         self.source = kv_pool(prefill_engine, item_lens, seed)
         self.destination = kv_pool(decode_engine, item_lens, None)
-        self.decode = decode_manager(decode_engine, self.destination)
+        self.decode = decode_manager(decode_engine, self.destination, device_buffers)
         self.prefill = make_manager(
             prefill_engine, kv_data_ptrs=self.source.ptrs, kv_data_lens=self.source.lens
         )
@@ -136,7 +141,9 @@ class Deployment:
             is_dummy=False,
             device_kv_indices=device_pages,
         )
-        return conn.TransferInfo.from_zmq(frames)
+        info = conn.TransferInfo.from_zmq(frames)
+        self.prefill.transfer_infos[room] = {self.session: info}  # as sglang's bootstrap keeps it
+        return info
 
     def send(self, info, src_pages: np.ndarray, pages: slice, session: str | None = None) -> int:
         device = info.dst_device_kv_indices
@@ -158,9 +165,7 @@ class Deployment:
         for note in self.notes:
             assert conn.MooncakeKVManager.handle_chunk_ready(self.decode, note) is True
         self.notes.clear()
-        conn.MooncakeKVManager.apply_prefill_status(
-            self.decode, bootstrap_room=room, status=status, prefill_rank=0
-        )
+        deliver_status(self.prefill, self.decode, room, status)
 
     def sglang_bytes(self, src_pages, host_pages, device_pages) -> np.ndarray:
         """What sglang's own send lands in a fresh copy of the decode's pool."""
@@ -235,7 +240,7 @@ def test_a_staged_send_lands_what_sglangs_send_lands(
         assert deployment.send(info, src_pages, slice(first, end)) == 0
     assert len(deployment.notes) == chunks
     assert all(note[0] == STAGED_TAG for note in deployment.notes)
-    pieces = sum(len(note[7]) // 16 for note in deployment.notes)  # (page_start, pages) pairs
+    pieces = sum(len(note[8]) // 16 for note in deployment.notes)  # (page_start, pages) pairs
     deployment.deliver(7)
     after = counters.snapshot()
     assert deployment.decode.request_status[7] == KV_POLL_SUCCESS
@@ -335,7 +340,9 @@ def test_a_failed_piece_fails_the_send_without_a_note(deployments, monkeypatch):
     assert all_slots_back(timeline._staging)
     assert "note" not in timeline.events and not deployment.notes
     failed_at = timeline.events.index("write 1 ended")
-    assert not any(event.startswith("gather") for event in timeline.events[failed_at + 1 :])
+    # The spy logs the failed call before its future is done: one gather may start in between.
+    gathers_after = [e for e in timeline.events[failed_at + 1 :] if e.startswith("gather")]
+    assert len([e for e in gathers_after if "ended" not in e]) <= 1, timeline.events
     assert sum(event.startswith("gather") and "ended" not in event for event in timeline.events) < 5
     deployment.deliver(6, KV_POLL_FAILED)
     assert deployment.decode.request_status[6] == KV_POLL_FAILED
@@ -349,7 +356,7 @@ def test_a_refused_note_fails_the_request_instead_of_landing_partial_kv(deployme
     info = deployment.request(9, host_pages, None)
     assert deployment.send(info, src_pages, slice(0, 32)) == 0
     note = deployment.notes[0]
-    note[7] = np.array([[0, 33]], dtype="<u8").tobytes()  # pages past the request's 32
+    note[8] = np.array([[0, 33]], dtype="<u8").tobytes()  # pages past the request's 32
     deployment.deliver(9)
     assert deployment.decode.request_status[9] == KV_POLL_FAILED
     assert "gpu_planner" in deployment.decode.failure_records[9]
@@ -417,98 +424,152 @@ def test_a_send_below_the_gate_goes_as_planned_counted(
     assert receive_staging.existing_region(deployment.decode).lent_rooms == 0
 
 
-@pytest.mark.parametrize("order", [(0, 1), (1, 0)])
-def test_two_tp_down_writers_each_land_their_heads_in_every_token_slot(engines, monkeypatch, order):
-    """Prefill TP 2 -> decode TP 1: each prefill rank holds half of every decode token slot."""
-    from gpu_planner.head_slices import HeadSliceLayout
+SLICE_SEND = inspect.unwrap(conn.MooncakeKVManager.send_kvcache_slice)  # sglang's own
 
+
+def decode_request(decode, room: int, host_pages: np.ndarray, ranks: int) -> list[bytes]:
+    """The decode's metadata for a new request of `room` answered by `ranks` prefill ranks."""
+    decode.request_status[room] = KV_POLL_TRANSFERRING
+    decode.prefill_response_tracker[room] = set()
+    decode.required_prefill_response_num_table[room] = ranks
+    metadata = TransferRequest(
+        room=room, endpoint="127.0.0.1", port=17000, session_id=decode.engine.session_id,
+        host_pages=host_pages,
+    ).to_frames()  # fmt: skip
+    return receive_staging.metadata_message_hook(
+        lambda _, **kwargs: metadata, decode, bootstrap_room=room, required_dst_info_num=1,
+        kv_indices=host_pages, aux_index=0, state_indices=None, decode_prefix_len=0,
+        is_dummy=False,
+    )  # fmt: skip
+
+
+def advertised_registration(decode, pool: KVPool) -> list[bytes]:
+    """The decode's KV registration with its receive staging, as a prefill receives it."""
+    registration = KVRegistration(
+        endpoint="127.0.0.1", port=17000, session_id=decode.engine.session_id, ptrs=pool.ptrs,
+        item_lens=pool.item_lens, lens=pool.lens, is_device=[False] * len(pool.ptrs),
+    ).to_frames()[:20]  # fmt: skip
+    return receive_staging.registration_message_hook(lambda _: registration, decode)
+
+
+@pytest.mark.parametrize(
+    ("prefill_tp", "order"), [(2, (0, 1)), (2, (1, 0)), (4, (3, 0, 2, 1))]
+)  # TP 4: two replicas of each KV head, both writing its share, as sglang's own send does
+def test_tp_down_ranks_and_head_replicas_land_sglangs_bytes(
+    engines, monkeypatch, prefill_tp, order
+):
+    """Prefill attention TP 2 or 4 -> decode TP 1, 2 KV heads: each prefill rank sends half of
+    every decode token slot through the hooked `send_kvcache_slice`, staged, and its status
+    through sglang's status frames; the decode's pool equals what sglang's own send lands."""
     set_knob(monkeypatch, settings.RECEIVE_STAGING_BYTES.name, str(4 << 20))
     set_knob(monkeypatch, settings.GATHER_STAGING_BYTES.name, str(64 << 10))
     settings.load()
     prefill_engine, decode_engine = engines
-    decode_lens, writers, num_pages = [256] * 8, 2, 40  # K/V of 4 layers, 64-byte tokens
+    session, heads, head_bytes, num_pages, room = decode_engine.session_id, 2, 32, 40, 3
+    decode_lens = [PAGE_SIZE * heads * head_bytes] * 8  # K/V of 4 layers
     destination = kv_pool(decode_engine, decode_lens, None)
+    reference = kv_pool(decode_engine, decode_lens, None)
     decode = decode_manager(decode_engine, destination)
     notes: list[list[bytes]] = []
-    ranks = []
-    for writer in range(writers):
-        source = kv_pool(prefill_engine, [n // writers for n in decode_lens], seed=20 + writer)
-        prefill = make_manager(prefill_engine, kv_data_ptrs=source.ptrs, kv_data_lens=source.lens)
-        prefill._send_multipart_locked = lambda _, parts, is_ipv6=False: notes.append(parts)
-        ranks.append((source, prefill))
+    sources = []
     try:
-        registration = KVRegistration(
-            endpoint="127.0.0.1", port=17000, session_id=decode_engine.session_id,
-            ptrs=destination.ptrs, item_lens=decode_lens, lens=destination.lens,
-            is_device=[False] * len(decode_lens),
-        ).to_frames()[:20]  # fmt: skip
-        advertised = receive_staging.registration_message_hook(lambda _: registration, decode)
+        advertised = advertised_registration(decode, destination)
         rng = np.random.default_rng(8)
         host_pages = fragmented(rng, num_pages)
-        src_pages = [fragmented(rng, num_pages, np.int64) for _ in range(writers)]
-        decode.request_status[3] = KV_POLL_TRANSFERRING
-        decode.prefill_response_tracker[3] = set()
-        decode.required_prefill_response_num_table[3] = writers
-        metadata = TransferRequest(
-            room=3, endpoint="127.0.0.1", port=17000, session_id=decode_engine.session_id,
-            host_pages=host_pages,
-        ).to_frames()  # fmt: skip
-        metadata = receive_staging.metadata_message_hook(
-            lambda _, **kwargs: metadata, decode, bootstrap_room=3, required_dst_info_num=1,
-            kv_indices=host_pages, aux_index=0, state_indices=None, decode_prefix_len=0,
-            is_dummy=False,
-        )  # fmt: skip
-        expected = destination.tensor.numpy().copy()
-        token = decode_lens[0] // PAGE_SIZE
-        share = token // writers
-        for writer in order:
-            source, prefill = ranks[writer]
-            prefill.decode_kv_args_table = {
-                decode_engine.session_id: conn.KVArgsRegisterInfo.from_zmq(advertised)
-            }
+        metadata = decode_request(decode, room, host_pages, prefill_tp)
+        before = counters.snapshot()["sends"].get("staged/arrays", 0)
+        for rank in order:
+            head = rank * heads // prefill_tp  # replicas of one head hold the same KV
+            source = kv_pool(prefill_engine, [PAGE_SIZE * head_bytes] * 8, seed=20 + head)
+            sources.append(source)
+            prefill = make_manager(
+                prefill_engine, kv_data_ptrs=source.ptrs, kv_data_lens=source.lens,
+                attn_tp_rank=rank,
+            )  # fmt: skip
+            prefill.kv_args.kv_item_lens, prefill.kv_args.page_size = source.item_lens, PAGE_SIZE
+            prefill.kv_args.engine_rank, prefill.kv_args.kv_layer_ids = rank, []
+            prefill.kv_args.kv_head_num, prefill.kv_args.total_kv_head_num = 1, heads
+            prefill.attn_tp_size = prefill_tp
+            prefill._send_multipart_locked = lambda _, parts, is_ipv6=False: notes.append(parts)
+            prefill.decode_kv_args_table = {session: conn.KVArgsRegisterInfo.from_zmq(advertised)}
             info = conn.TransferInfo.from_zmq(metadata)
-            layout = HeadSliceLayout.build(
-                src_ptrs=source.ptrs, dst_ptrs=destination.ptrs, page_size=PAGE_SIZE,
-                src_page_lens=source.item_lens, dst_page_lens=decode_lens, src_token_lens=share,
-                dst_token_lens=token, src_head_offsets=0, dst_head_offsets=writer * share,
-                slice_lens=share,
-            )  # fmt: skip
-            entries = staged_send.StagedEntries.of_head_slices(layout)
-            assert (entries.writers, entries.writer) == (writers, writer)
-            status = staged_send.send_staged(
-                prefill, decode_engine.session_id, src_pages[writer], info.dst_kv_indices[:],
-                entries, descriptors=10_000, executor=SEND_EXECUTOR,
-            )  # fmt: skip
-            assert status == 0
-            data = source.tensor.numpy()
-            for buffer, (dst_base, src_base) in enumerate(
-                zip(destination.offsets, source.offsets, strict=False)
-            ):
-                if buffer == len(decode_lens):
-                    break
-                for position in range(num_pages):
-                    src_page = (
-                        src_base + int(src_pages[writer][position]) * source.item_lens[buffer]
-                    )
-                    dst_page = dst_base + int(host_pages[position]) * decode_lens[buffer]
-                    for slot in range(PAGE_SIZE):
-                        at = dst_page + slot * token + writer * share
-                        expected[at : at + share] = data[src_page + slot * share :][:share]
-        for note in notes:
-            assert conn.MooncakeKVManager.handle_chunk_ready(decode, note) is True
-        for rank in range(writers):
-            conn.MooncakeKVManager.apply_prefill_status(
-                decode, bootstrap_room=3, status=KV_POLL_SUCCESS, prefill_rank=rank
-            )
-        assert decode.request_status[3] == KV_POLL_SUCCESS
-        np.testing.assert_array_equal(destination.tensor.numpy(), expected)
+            prefill.transfer_infos[room] = {session: info}
+            src_pages = fragmented(np.random.default_rng(30 + head), num_pages, np.int64)
+            arguments = (session, src_pages)
+            tail = (0, 1, decode_lens[0], SEND_EXECUTOR, None)
+            hooked = conn.MooncakeKVManager.send_kvcache_slice
+            assert hooked(prefill, *arguments, destination.ptrs, info.dst_kv_indices, *tail) == 0
+            assert SLICE_SEND(prefill, *arguments, reference.ptrs, host_pages, *tail) == 0
+            for note in notes:
+                assert conn.MooncakeKVManager.handle_chunk_ready(decode, note) is True
+            notes.clear()
+            deliver_status(prefill, decode, room, KV_POLL_SUCCESS)
+            gathered.release_staging(prefill)
+        assert decode.request_status[room] == KV_POLL_SUCCESS
+        assert counters.snapshot()["sends"].get("staged/arrays", 0) - before == prefill_tp
+        np.testing.assert_array_equal(destination.tensor.numpy(), reference.tensor.numpy())
+        assert receive_staging.existing_region(decode).lent_rooms == 0
     finally:
         receive_staging.release_region(decode)
-        for source, prefill in ranks:
-            gathered.release_staging(prefill)
-            source.close()
-        destination.close()
+        for pool in (*sources, destination, reference):
+            pool.close()
         staged_send.forget_peers()
+
+
+def test_pipeline_stages_send_direct_and_land_sglangs_bytes(deployments):
+    """Prefill PP 2 -> decode PP 1: each stage holds half the layers, so neither is staged (the
+    staged layout places every decode buffer's pages); both go as planned, counted, declare
+    no note, and the request succeeds with the bytes sglang's own sends land."""
+    deployment = deployments([256] * 16, 0, seed=40)  # the decode: K/V of 8 layers
+    prefill_engine = deployment.prefill.engine
+    rng = np.random.default_rng(41)
+    num_pages, room = 32, 13
+    src_pages, host_pages = fragmented(rng, num_pages, np.int64), fragmented(rng, num_pages)
+    info = deployment.request(room, host_pages, None)
+    deployment.decode.required_prefill_response_num_table[room] = 2
+    reference = kv_pool(deployment.destination.engine, [256] * 16, None)
+    key = "not staged: the send writes only some of the decode's KV buffers (a pipeline stage)"
+    before = counters.snapshot()
+    stages = []
+    try:
+        for stage in range(2):
+            layers = [*range(4 * stage, 4 * stage + 4), *range(8 + 4 * stage, 12 + 4 * stage)]
+            ptrs = [deployment.source.ptrs[layer] for layer in layers]
+            lens = [deployment.source.lens[layer] for layer in layers]
+            prefill = make_manager(
+                prefill_engine, pp_size=2, start_layer=4 * stage, end_layer=4 * stage + 4,
+                kv_data_ptrs=ptrs, kv_data_lens=lens, pp_rank=stage,
+            )  # fmt: skip
+            prefill.decode_kv_args_table = deployment.prefill.decode_kv_args_table
+            prefill.transfer_infos[room] = {deployment.session: info}
+            stages.append(prefill)
+            call = dict(
+                mooncake_session_id=deployment.session, src_data_ptrs=ptrs,
+                item_lens=[256] * 8, prefill_data_indices=src_pages,
+                executor=SEND_EXECUTOR, dst_device_data_indices=None, dst_device_data_ptrs=None,
+            )  # fmt: skip
+            hooked = hooked_send()(
+                prefill, dst_data_ptrs=deployment.destination.ptrs,
+                dst_data_indices=info.dst_kv_indices, **call,
+            )  # fmt: skip
+            assert hooked == 0
+            own = ORIGINALS["send"](
+                prefill, dst_data_ptrs=reference.ptrs, dst_data_indices=host_pages, **call
+            )
+            assert own == 0
+            deliver_status(prefill, deployment.decode, room, KV_POLL_SUCCESS)
+        after = counters.snapshot()
+        assert after["fallbacks"].get(key, 0) - before["fallbacks"].get(key, 0) == 2
+        assert after["sends"].get("staged/arrays", 0) == before["sends"].get("staged/arrays", 0)
+        assert deployment.decode.request_status[room] == KV_POLL_SUCCESS
+        np.testing.assert_array_equal(
+            deployment.destination.tensor.numpy(), reference.tensor.numpy()
+        )
+        assert deployment.destination.tensor.numpy().any()
+    finally:
+        reference.close()
+        for prefill in stages:
+            gathered.release_staging(prefill)
 
 
 def test_two_thousand_sends_some_to_a_dead_region_leak_no_slot_part_or_memory(
@@ -545,7 +606,8 @@ def test_two_thousand_sends_some_to_a_dead_region_leak_no_slot_part_or_memory(
             )
             assert status == (-1 if dead else 0), room
             deployment.deliver(room, KV_POLL_FAILED if dead else KV_POLL_SUCCESS)
-            deployment.decode.request_status.pop(room)  # sglang clears the room
+            deployment.decode.request_status.pop(room)  # sglang clears the room, both sides
+            deployment.prefill.transfer_infos.pop(room)
             assert all_slots_back(staging), room
         grown = tracemalloc.get_traced_memory()[0] - settled
     finally:
