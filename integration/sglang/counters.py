@@ -32,7 +32,15 @@ sglang's own `sglang:*` series:
 - `gpu_planner:staged_scatters_total` (decode): staged chunks scattered into
   the decode's pages; `gpu_planner:receive_staging_fallbacks_total{reason}`
   (decode): requests or chunks that could not use the receive staging (no
-  room in the region, a rejected chunk), by reason.
+  room in the region, a rejected chunk), by reason;
+- `gpu_planner:paths_chosen_total{path, reason}`: the send-path cost model's
+  choices (`path_cost`), `direct` or `staged`, and why (priced faster or
+  slower, a probe, the override gate);
+- `gpu_planner:path_predicted_seconds_total{path}`,
+  `gpu_planner:path_observed_seconds_total{path}` and
+  `gpu_planner:path_observed_sends_total{path}`: for each completed send the
+  model learned from, what it priced the prefill's part at and what it took;
+  `gpu_planner:path_observed_over_predicted{path}` (histogram): their ratio.
 """
 
 from __future__ import annotations
@@ -46,6 +54,7 @@ from typing import Any
 logger = logging.getLogger(__name__)
 
 RUNS_PER_BUFFER_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 1024, 4096)
+OBSERVED_OVER_PREDICTED_BUCKETS = (0.25, 0.5, 0.8, 0.9, 1.1, 1.25, 2.0, 4.0, 16.0)
 
 _lock = threading.Lock()
 _sends: collections.Counter[tuple[str, str]] = collections.Counter()
@@ -53,6 +62,8 @@ _fallbacks: collections.Counter[str] = collections.Counter()
 _failures: collections.Counter[str] = collections.Counter()
 _receive_fallbacks: collections.Counter[str] = collections.Counter()
 _totals: collections.Counter[str] = collections.Counter()
+_path_choices: collections.Counter[tuple[str, str]] = collections.Counter()
+_path_times: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
 _max_runs_per_buffer = 0
 _prometheus: dict[str, Any] | None = None
 
@@ -126,6 +137,31 @@ def record_receive_fallback(reason: str) -> None:
     _count_by_reason(_receive_fallbacks, "receive_staging_fallbacks", reason)
 
 
+def record_path_choice(path: str, reason: str) -> None:
+    """Count one send-path choice of the cost model: `path` (direct, staged) and why."""
+    with _lock:
+        _path_choices[path, reason] += 1
+    metrics = _prometheus_metrics()
+    if metrics is not None:
+        metrics["paths_chosen"].labels(path=path, reason=reason).inc()
+
+
+def record_path_time(path: str, predicted_s: float, observed_s: float) -> None:
+    """Count one completed send on `path`: the model's price for it and the time it took."""
+    with _lock:
+        times = _path_times[path]
+        times["sends"] += 1
+        times["predicted_seconds"] += predicted_s
+        times["observed_seconds"] += observed_s
+    metrics = _prometheus_metrics()
+    if metrics is not None:
+        metrics["path_observed_sends"].labels(path=path).inc()
+        metrics["path_predicted_seconds"].labels(path=path).inc(predicted_s)
+        metrics["path_observed_seconds"].labels(path=path).inc(observed_s)
+        ratio = observed_s / predicted_s if predicted_s > 0 else float("inf")
+        metrics["path_observed_over_predicted"].labels(path=path).observe(ratio)
+
+
 def _count_by_reason(counts: collections.Counter[str], metric: str, reason: str) -> None:
     with _lock:
         counts[reason] += 1
@@ -149,6 +185,8 @@ def snapshot() -> dict[str, Any]:
             "batch_cuts": _totals["batch_cuts"],
             "fragmented_sends": _totals["fragmented_sends"],
             "max_runs_per_buffer": _max_runs_per_buffer,
+            "paths_chosen": {f"{path}/{why}": n for (path, why), n in _path_choices.items()},
+            "path_times": {path: dict(times) for path, times in _path_times.items()},
         }
 
 
@@ -201,6 +239,32 @@ def _prometheus_metrics() -> dict[str, Any] | None:
                     "gpu_planner:runs_per_buffer",
                     "Contiguous runs per KV buffer of each generic send",
                     buckets=RUNS_PER_BUFFER_BUCKETS,
+                ),
+                "paths_chosen": Counter(
+                    "gpu_planner:paths_chosen",
+                    "Send paths the cost model chose, and why",
+                    ["path", "reason"],
+                ),
+                "path_observed_sends": Counter(
+                    "gpu_planner:path_observed_sends",
+                    "Completed sends the cost model learned from",
+                    ["path"],
+                ),
+                "path_predicted_seconds": Counter(
+                    "gpu_planner:path_predicted_seconds",
+                    "The cost model's price of the completed sends it learned from",
+                    ["path"],
+                ),
+                "path_observed_seconds": Counter(
+                    "gpu_planner:path_observed_seconds",
+                    "Wall time on the prefill of the completed sends the cost model learned from",
+                    ["path"],
+                ),
+                "path_observed_over_predicted": Histogram(
+                    "gpu_planner:path_observed_over_predicted",
+                    "Observed over predicted time of each completed send, by path",
+                    ["path"],
+                    buckets=OBSERVED_OVER_PREDICTED_BUCKETS,
                 ),
             }
     return _prometheus

@@ -1,0 +1,443 @@
+"""Which path a send to a peer takes, direct or staged, by what each would cost there now.
+
+A send toward a decode that offers receive staging can go two ways: **direct**
+(its planned descriptors, one Mooncake request each) or **staged** (gathered
+into the prefill's send staging, written as a few slot-sized pieces, scattered
+by the decode). `PathCosts` prices both for the send's shape and picks the
+cheaper one; `path_costs()` is the process's one instance.
+
+**The model**, per peer (the decode's Mooncake session), in seconds:
+
+    direct = direct_fixed + request * descriptors + bytes / link
+    staged = staged_fixed + request * pieces + bytes / link + bytes / gather
+             + scatter_fixed + bytes / scatter
+
+`request` and `link` are the link's to that peer, shared by both paths;
+`gather` is this device's, as sends to that peer see it. Every figure but the
+decode's scatter is learned per peer from this process's own completed sends
+(`observe`): the prefill never sees the scatter, so `scatter_fixed` and
+`scatter` stay their settings (docs/settings.md). Seeds, from the 2-core CPU
+machine over loopback TCP (`bench.staged_send`, docs/benchmarks.md and the
+design brief's "What a send costs here, by size"): direct fixed 0.1 ms (0.73 ms
+for 32 descriptors of 8 KiB, less their requests and bytes), 15 us per request
+(14-23 us at 32-2,000 descriptors), link 1.6 GB/s (1.6-1.8 GB/s bulk), staged
+fixed 4.5 ms (3-5 ms on 2026-12-03, being reduced: it is learned), gather
+4 GB/s and scatter 4 GB/s + 0.3 ms (4-5.5 GB/s; 0.3 ms at 128-256 KiB).
+
+**Learning.** For each peer, a ridge fit of the five learned figures, with the
+seeds as its prior: per path, exponentially weighted sums of the send's
+features (each term's share of the seeded price) and times, halving every
+`HALF_LIFE` observations of that path. The fit is on relative error, and an
+observation off its price by a factor q weighs 1/q of an ordinary one, so one
+send's pull on a figure is at most an ordinary send's share whatever its time
+(a stall, a sample of a bimodal wire), while a lasting change is learned
+within tens of sends.
+The solved figures are clamped to physical ranges. Only successful sends
+update (`observe(..., ok=False)` changes nothing), one peer's sends touch only
+that peer's figures, and at most `MAX_PEERS` peers are kept (least recently
+used dropped; a peer seen again starts from the seeds). Memory: a few hundred
+floats per peer, whatever the number of sends.
+
+**Deterministic.** The choice is a function of the peer's state and the send:
+no randomness. Equal prices go direct. To keep the figures of the path it does
+not choose current, a peer's send takes the path priced slower when that path
+was not taken in its last `GPU_PLANNER_COST_PROBE_INTERVAL` (64) choices and is
+priced at most `PROBE_MAX_LOSS` (25%) slower: at most one send in 64 per peer,
+each at most 25% slower by the model, and only near the crossover, where the
+figures matter. Far from it (a 32-descriptor send, 5x cheaper direct) no probe
+happens: the linear model carries what larger sends taught it there.
+
+**Overrides.** When `GPU_PLANNER_STAGING_MIN_DESCRIPTORS` or
+`GPU_PLANNER_STAGING_MAX_MEAN_BYTES` is set in the environment (`settings.explicit`),
+the gate of both decides instead (the one not set at its default), as before
+the model: the benchmarks and a user who wants a fixed gate keep it. Both
+prices are still computed, and counted.
+
+**Counted** (`counters`): every choice by path and reason
+(`gpu_planner:paths_chosen_total{path, reason}`), and for every observed send
+its predicted and observed seconds by path (`..._predicted_seconds_total`,
+`..._observed_seconds_total`, `..._observed_sends_total`, and the histogram
+`gpu_planner:path_observed_over_predicted{path}`). The prediction compared is
+the prefill's part, what the send's time holds (a staged send's scatter aside).
+
+The staged send calls `choose` once per send it could stage (the decode offered
+staging and lent the request a part) and `observe` when a send to that peer
+completed, either path, with what it handed Mooncake (descriptors, or the
+staged send's pieces), its bytes and its wall time on the prefill.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+import threading
+from dataclasses import dataclass
+
+import numpy as np
+
+from gpu_planner import settings
+from gpu_planner.integration.sglang import counters
+
+DIRECT = "direct"
+STAGED = "staged"
+PATHS = (DIRECT, STAGED)
+
+MAX_PEERS = 256  # peers whose figures are kept (least recently used dropped)
+HALF_LIFE = 32  # observations of one path to one peer after which a send weighs half
+PROBE_MAX_LOSS = 0.25  # a probe's path is priced at most this much slower than the other
+NOISE = 0.3  # relative spread of one send's time around its price (weighs data against seeds)
+SEED_SPREAD = 1.0  # a seed's relative uncertainty (the prior's width)
+
+PRICED_SLOWER = "staging priced slower"
+PRICED_FASTER = "staging priced faster"
+
+_DECAY = 0.5 ** (1 / HALF_LIFE)
+# The learned figures, as a vector: seconds per send (direct, staged), per request, per byte
+# on the link, per byte gathered. Clamped to these ranges (1 MB/s-10 TB/s links, 10 ns-10 ms
+# requests, fixed costs up to 1 s) unless a seed lies outside them.
+_LOWER = np.array([0.0, 0.0, 1e-8, 1e-13, 1e-14])
+_UPPER = np.array([1.0, 1.0, 1e-2, 1e-6, 1e-7])
+_SCALE_FLOOR = np.array([1e-5, 1e-5, 1e-7, 1e-13, 1e-14])  # a zero seed still learns
+_LEARNED = len(_LOWER)
+
+
+@dataclass(frozen=True)
+class Figures:
+    """One peer's figures (or the seeds): what each path costs, in seconds and bytes per second."""
+
+    direct_fixed_s: float
+    staged_fixed_s: float
+    request_s: float
+    link_bytes_per_s: float
+    gather_bytes_per_s: float
+    scatter_fixed_s: float
+    scatter_bytes_per_s: float
+    sends: tuple[int, int] = (0, 0)  # successful sends observed: direct, staged
+
+    @classmethod
+    def seeded(cls) -> Figures:
+        """The seeds the settings give (docs/settings.md: measured on the 2-core CPU, TCP)."""
+        return cls(
+            direct_fixed_s=settings.loaded(settings.COST_DIRECT_FIXED_US) / 1e6,
+            staged_fixed_s=settings.loaded(settings.COST_STAGED_FIXED_US) / 1e6,
+            request_s=settings.loaded(settings.COST_REQUEST_US) / 1e6,
+            link_bytes_per_s=settings.loaded(settings.COST_LINK_GB_S) * 1e9,
+            gather_bytes_per_s=settings.loaded(settings.COST_GATHER_GB_S) * 1e9,
+            scatter_fixed_s=settings.loaded(settings.COST_SCATTER_FIXED_US) / 1e6,
+            scatter_bytes_per_s=settings.loaded(settings.COST_SCATTER_GB_S) * 1e9,
+        )
+
+    def direct_s(self, descriptors: int, nbytes: int) -> float:
+        """A direct send of `descriptors` moving `nbytes`."""
+        return self.direct_fixed_s + self.request_s * descriptors + nbytes / self.link_bytes_per_s
+
+    def staged_send_s(self, pieces: int, nbytes: int) -> float:
+        """The prefill's part of a staged send: gather, `pieces` requests, the wire."""
+        return (
+            self.staged_fixed_s
+            + self.request_s * pieces
+            + nbytes / self.link_bytes_per_s
+            + nbytes / self.gather_bytes_per_s
+        )
+
+    def scatter_s(self, nbytes: int) -> float:
+        """The decode's scatter of a staged send's `nbytes` (a figure, never observed here)."""
+        return self.scatter_fixed_s + nbytes / self.scatter_bytes_per_s
+
+    def staged_s(self, pieces: int, nbytes: int) -> float:
+        """A staged send, the decode's scatter included."""
+        return self.staged_send_s(pieces, nbytes) + self.scatter_s(nbytes)
+
+    def send_s(self, path: str, requests: int, nbytes: int) -> float:
+        """What the prefill sees of a send on `path`: its time from choice to completion."""
+        if path == DIRECT:
+            return self.direct_s(requests, nbytes)
+        return self.staged_send_s(requests, nbytes)
+
+    def stages_from(self, mean_bytes: int, slot_bytes: int, limit: int = 1 << 20) -> int | None:
+        """The fewest descriptors of `mean_bytes` from which staging is priced faster (None: never).
+
+        `slot_bytes` is a staged piece's most (the send staging's slot).
+        """
+
+        def staged_wins(descriptors: int) -> bool:
+            nbytes = descriptors * mean_bytes
+            pieces = staged_pieces(nbytes, slot_bytes)
+            return self.staged_s(pieces, nbytes) < self.direct_s(descriptors, nbytes)
+
+        high = 1
+        while not staged_wins(high):
+            high *= 2
+            if high > limit:
+                return None
+        low = high // 2  # loses (or 0)
+        while high - low > 1:
+            middle = (low + high) // 2
+            low, high = (low, middle) if staged_wins(middle) else (middle, high)
+        return high
+
+    def describe(self) -> tuple[str, str]:
+        """(direct, staged): each path's figures as one line."""
+        direct = (
+            f"{self.direct_fixed_s * 1e3:.2f} ms + {self.request_s * 1e6:.1f} us per descriptor"
+            f" + bytes at {self.link_bytes_per_s / 1e9:.2f} GB/s"
+        )
+        staged = (
+            f"{self.staged_fixed_s * 1e3:.2f} ms + {self.request_s * 1e6:.1f} us per piece"
+            f" + bytes at {self.link_bytes_per_s / 1e9:.2f} GB/s, gathered at "
+            f"{self.gather_bytes_per_s / 1e9:.2f} GB/s, scattered (decode) in "
+            f"{self.scatter_fixed_s * 1e3:.2f} ms + bytes at "
+            f"{self.scatter_bytes_per_s / 1e9:.2f} GB/s"
+        )
+        return direct, staged
+
+    def _learned(self) -> np.ndarray:
+        return np.array(
+            [
+                self.direct_fixed_s,
+                self.staged_fixed_s,
+                self.request_s,
+                1 / self.link_bytes_per_s,
+                1 / self.gather_bytes_per_s,
+            ]
+        )
+
+
+def staged_pieces(nbytes: int, slot_bytes: int) -> int:
+    """How many slot-sized pieces a staged send of `nbytes` takes (at least one)."""
+    return max(1, -(-nbytes // slot_bytes)) if slot_bytes > 0 else 1
+
+
+@dataclass(frozen=True)
+class Choice:
+    """One send's path, both prices (seconds; staged with the decode's scatter) and why."""
+
+    path: str
+    direct_s: float
+    staged_s: float
+    reason: str  # what a send that is not staged is counted under
+
+    @property
+    def staged(self) -> bool:
+        return self.path == STAGED
+
+
+@dataclass(frozen=True)
+class Gate:
+    """Today's gate, where a user set one of its knobs: it decides instead of the model."""
+
+    min_descriptors: int
+    max_mean_bytes: int
+
+    @classmethod
+    def overriding(cls) -> Gate | None:
+        """The gate when `GPU_PLANNER_STAGING_MIN_DESCRIPTORS` or `..._MAX_MEAN_BYTES` is set."""
+        knobs = (settings.STAGING_MIN_DESCRIPTORS, settings.STAGING_MAX_MEAN_BYTES)
+        if not any(settings.explicit(knob) for knob in knobs):
+            return None
+        return cls(*(settings.loaded(knob) for knob in knobs))
+
+    def refusal(self, descriptors: int, nbytes: int) -> str | None:
+        """Why the gate sends this direct; None: it stages."""
+        if descriptors < self.min_descriptors:
+            knob = settings.STAGING_MIN_DESCRIPTORS.name
+            return f"below the gate: fewer than {knob} descriptors"
+        if nbytes > descriptors * self.max_mean_bytes:
+            knob = settings.STAGING_MAX_MEAN_BYTES.name
+            return f"below the gate: mean descriptor above {knob}"
+        return None
+
+    def describe(self) -> str:
+        return (
+            f"the gate: sends of >= {self.min_descriptors} descriptors of "
+            f"<= {self.max_mean_bytes} bytes on average stage"
+        )
+
+
+PASSES_GATE = "passes the gate (GPU_PLANNER_STAGING_* set)"
+
+
+class _Peer:
+    """One peer's learning state: fixed size, whatever the number of its sends."""
+
+    __slots__ = ("moments", "targets", "sends", "since", "figures", "stale")
+
+    def __init__(self, seeds: Figures) -> None:
+        self.moments = np.zeros((len(PATHS), _LEARNED, _LEARNED))  # per path: sum of w z z^T
+        self.targets = np.zeros((len(PATHS), _LEARNED))  # per path: sum of w z y
+        self.sends = [0, 0]  # successful sends observed, by path
+        self.since = [0, 0]  # choices since each path was last chosen (capped at the interval)
+        self.figures = seeds  # the last solved figures
+        self.stale = False  # an observation came since they were solved
+
+
+class PathCosts:
+    """Prices each path per peer and picks the cheaper; learns from completed sends. Thread-safe."""
+
+    def __init__(
+        self,
+        seeds: Figures,
+        *,
+        gate: Gate | None = None,
+        probe_interval: int = 64,
+        max_peers: int = MAX_PEERS,
+    ) -> None:
+        if probe_interval < 0 or max_peers < 1:
+            raise ValueError(f"probe_interval {probe_interval}, max_peers {max_peers}")
+        self.seeds = seeds
+        self.gate = gate
+        self.probe_interval = probe_interval
+        self.max_peers = max_peers
+        seed = seeds._learned()
+        self._scale = np.maximum(seed, _SCALE_FLOOR)  # the fit solves for figure / scale
+        self._lower = np.minimum(_LOWER, seed)
+        self._upper = np.maximum(_UPPER, seed)
+        self._prior = np.eye(_LEARNED) / SEED_SPREAD**2
+        self._prior_target = self._prior @ (seed / self._scale)
+        self._peers: collections.OrderedDict[str, _Peer] = collections.OrderedDict()
+        self._lock = threading.Lock()
+
+    @classmethod
+    def from_settings(cls) -> PathCosts:
+        """Seeds, override gate and probe interval as the loaded settings give them."""
+        return cls(
+            Figures.seeded(),
+            gate=Gate.overriding(),
+            probe_interval=settings.loaded(settings.COST_PROBE_INTERVAL),
+        )
+
+    def choose(self, peer: str, descriptors: int, nbytes: int, staged_pieces: int) -> Choice:
+        """The path for a send to `peer` of `descriptors` direct, `staged_pieces` staged.
+
+        Counted by path and reason. Deterministic for a given state: the
+        cheaper path (direct on a tie), or, at most once per probe interval of
+        this peer's choices, the other one where it is priced at most
+        `PROBE_MAX_LOSS` slower; under an override gate, the gate's.
+        """
+        with self._lock:
+            state = self._peer(peer)
+            figures = self._figures(state)
+            direct_s = figures.direct_s(descriptors, nbytes)
+            staged_s = figures.staged_s(staged_pieces, nbytes)
+            if self.gate is not None:
+                refusal = self.gate.refusal(descriptors, nbytes)
+                path, reason = (STAGED, PASSES_GATE) if refusal is None else (DIRECT, refusal)
+            else:
+                path, reason = self._by_price(state, direct_s, staged_s)
+        counters.record_path_choice(path, reason)
+        return Choice(path, direct_s, staged_s, reason)
+
+    def _by_price(self, state: _Peer, direct_s: float, staged_s: float) -> tuple[str, str]:
+        cheaper, dearer = (STAGED, DIRECT) if staged_s < direct_s else (DIRECT, STAGED)
+        path, reason = cheaper, (PRICED_FASTER if cheaper == STAGED else PRICED_SLOWER)
+        interval = self.probe_interval
+        low, high = sorted((direct_s, staged_s))
+        stale = interval and state.since[PATHS.index(dearer)] >= interval
+        if stale and high <= low * (1 + PROBE_MAX_LOSS):
+            path = dearer
+            reason = f"probe: {dearer} priced slower by at most {PROBE_MAX_LOSS:.0%}"
+        for index, name in enumerate(PATHS):
+            state.since[index] = 0 if name == path else min(state.since[index] + 1, interval)
+        return path, reason
+
+    def observe(
+        self, peer: str, path: str, requests: int, nbytes: int, seconds: float, ok: bool = True
+    ) -> bool:
+        """Learn from one completed send to `peer`; True when its figures took it.
+
+        `requests` is what the send handed Mooncake (descriptors direct, pieces
+        staged), `seconds` its wall time on the prefill. A failed send
+        (`ok=False`), or one whose figures are not a time (not finite, not
+        positive), changes nothing.
+        """
+        if path not in PATHS:
+            raise ValueError(f"unknown path {path!r}")
+        if not (ok and requests >= 1 and nbytes >= 0 and math.isfinite(seconds) and seconds > 0):
+            return False
+        index = PATHS.index(path)
+        staged = index == PATHS.index(STAGED)
+        features = self._scale * (
+            (1.0 - staged, float(staged), requests, nbytes, nbytes if staged else 0.0)
+        )  # each term's price at the seeds' scale: the fit solves for figure / scale
+        with self._lock:
+            state = self._peer(peer)
+            predicted = state.figures.send_s(path, requests, nbytes)  # solved at the last choice
+            predicted = max(predicted, 1e-12)
+            ratio = seconds / predicted
+            weight = 1.0 / (predicted**2 * max(ratio, 1 / ratio) * NOISE**2)
+            state.moments[index] *= _DECAY
+            state.moments[index] += weight * features[:, None] * features
+            state.targets[index] *= _DECAY
+            state.targets[index] += weight * seconds * features
+            state.sends[index] += 1
+            state.stale = True  # solved at the next choice: an observation costs no solve
+        counters.record_path_time(path, predicted, seconds)
+        return True
+
+    def figures(self, peer: str | None = None) -> Figures:
+        """`peer`'s current figures (the seeds for a peer not kept, or without one)."""
+        with self._lock:
+            state = None if peer is None else self._peers.get(peer)
+            return self.seeds if state is None else self._figures(state)
+
+    def peers(self) -> list[str]:
+        """The peers kept, least recently used first."""
+        with self._lock:
+            return list(self._peers)
+
+    def state_bytes(self) -> int:
+        """Bytes of the learning state's arrays: bounded by `max_peers`, not by sends."""
+        with self._lock:
+            return sum(s.moments.nbytes + s.targets.nbytes for s in self._peers.values())
+
+    def _peer(self, peer: str) -> _Peer:
+        state = self._peers.get(peer)
+        if state is None:
+            state = self._peers[peer] = _Peer(self.seeds)
+            while len(self._peers) > self.max_peers:
+                self._peers.popitem(last=False)
+        else:
+            self._peers.move_to_end(peer)
+        return state
+
+    def _figures(self, state: _Peer) -> Figures:
+        if state.stale:
+            state.stale = False
+            matrix = self._prior + state.moments.sum(axis=0)
+            target = self._prior_target + state.targets.sum(axis=0)
+            solved = np.linalg.solve(matrix, target) * self._scale
+            learned = np.clip(solved, self._lower, self._upper)
+            seeds = self.seeds
+            state.figures = Figures(
+                direct_fixed_s=float(learned[0]),
+                staged_fixed_s=float(learned[1]),
+                request_s=float(learned[2]),
+                link_bytes_per_s=float(1 / learned[3]),
+                gather_bytes_per_s=float(1 / learned[4]),
+                scatter_fixed_s=seeds.scatter_fixed_s,
+                scatter_bytes_per_s=seeds.scatter_bytes_per_s,
+                sends=(state.sends[0], state.sends[1]),
+            )
+        return state.figures
+
+
+_shared: tuple[int, PathCosts] | None = None  # (settings generation, the instance)
+_shared_lock = threading.Lock()
+
+
+def path_costs() -> PathCosts:
+    """The process's `PathCosts`, built from the loaded settings (rebuilt when they reload)."""
+    global _shared
+    settings.loaded(settings.COST_PROBE_INTERVAL)  # loads the settings if nothing did yet
+    generation = settings.generation()
+    with _shared_lock:
+        if _shared is None or _shared[0] != generation:
+            _shared = (generation, PathCosts.from_settings())
+        return _shared[1]
+
+
+def forget_path_costs() -> None:
+    """Drop the process's instance and every peer's figures (tests)."""
+    global _shared
+    with _shared_lock:
+        _shared = None

@@ -1,0 +1,472 @@
+"""The send-path cost model: its choice at the boundaries, its learning, its bounds, its counts.
+
+Inputs are given (`Figures` built by hand, observations made up): no engine,
+no sglang. Figures in powers of two keep the boundaries exact in floating
+point.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from prometheus_client import CollectorRegistry, generate_latest, multiprocess
+from suite_support import set_knob
+
+from gpu_planner import settings
+from gpu_planner.integration import info
+from gpu_planner.integration.sglang import counters, path_cost
+from gpu_planner.integration.sglang.path_cost import (
+    DIRECT,
+    PASSES_GATE,
+    PATHS,
+    PRICED_FASTER,
+    PRICED_SLOWER,
+    PROBE_MAX_LOSS,
+    STAGED,
+    Figures,
+    Gate,
+    PathCosts,
+    staged_pieces,
+)
+
+REQUEST = 2.0**-16  # about 15 us
+EXACT = Figures(  # byte terms aside (sends of 0 bytes), staging costs 64 requests more than direct
+    direct_fixed_s=0.0,
+    staged_fixed_s=64 * REQUEST,
+    request_s=REQUEST,
+    link_bytes_per_s=2.0**30,
+    gather_bytes_per_s=2.0**27,
+    scatter_fixed_s=0.0,
+    scatter_bytes_per_s=2.0**27,
+)
+TCP = Figures(  # the seeds' scale: loopback TCP on the 2-core CPU
+    direct_fixed_s=1e-4,
+    staged_fixed_s=4.5e-3,
+    request_s=15e-6,
+    link_bytes_per_s=1.6e9,
+    gather_bytes_per_s=4e9,
+    scatter_fixed_s=3e-4,
+    scatter_bytes_per_s=4e9,
+)
+SLOT = 32 << 20  # the default send staging's slot (128 MiB in four)
+
+
+def model(figures: Figures = EXACT, **options) -> PathCosts:
+    return PathCosts(figures, **{"probe_interval": 0, **options})
+
+
+# --- the choice at its boundaries, inputs given -------------------------------------------
+
+
+def test_the_choice_flips_where_the_prices_cross_by_count():
+    """Staged = direct + 64 requests at 0 bytes: 65 descriptors tie (direct), 66 stage."""
+    costs = model()
+    below, tie, above = (costs.choose("peer", count, 0, 1) for count in (64, 65, 66))
+    assert tie.direct_s == tie.staged_s == 65 * REQUEST
+    assert (below.path, tie.path, above.path) == (DIRECT, DIRECT, STAGED)
+    assert below.reason == tie.reason == PRICED_SLOWER
+    assert above.reason == PRICED_FASTER and above.staged
+
+
+def test_the_choice_flips_where_the_prices_cross_by_mean_bytes():
+    """No fixed costs: staging trades 1,024 requests for the gather and scatter of every byte.
+
+    Per descriptor of m bytes it saves 2^-16 s and pays m * 2^-26 s, so 1,025
+    descriptors (one piece) stage while m < 1024 * 1024 / 1025, that is up to
+    1,023 bytes.
+    """
+    costs = model(dataclasses.replace(EXACT, staged_fixed_s=0.0))
+    assert costs.choose("peer", 1025, 1025 * 1023, 1).path == STAGED
+    assert costs.choose("peer", 1025, 1025 * 1024, 1).path == DIRECT
+
+
+def test_more_pieces_price_the_staged_send_higher():
+    costs = model(dataclasses.replace(EXACT, staged_fixed_s=0.0))
+    assert costs.choose("peer", 66, 0, 65).path == STAGED
+    assert costs.choose("peer", 66, 0, 66).path == DIRECT  # a tie
+    assert staged_pieces(0, SLOT) == staged_pieces(SLOT, SLOT) == 1
+    assert staged_pieces(SLOT + 1, SLOT) == 2
+
+
+@pytest.mark.parametrize(
+    ("descriptors", "mean_bytes", "path"),
+    [
+        (32, 8192, DIRECT),  # measured: hook 0.73 ms, staged 4.9 + 0.3 ms
+        (64, 4096, DIRECT),  # 1.13 ms against 5.4 + 0.35 ms
+        (488, 4096, STAGED),  # 6.66 ms against 4.84 + 0.7 ms
+        (1952, 2048, STAGED),  # 28.5 ms against 11.1 + 1.9 ms
+        (7808, 1024, STAGED),  # 313 ms against 12.7 + 2.6 ms
+    ],
+)
+def test_the_seeds_choose_what_was_measured_faster(descriptors, mean_bytes, path):
+    """The settings' seeds, at the shapes docs/benchmarks.md and the issue measured."""
+    nbytes = descriptors * mean_bytes
+    choice = PathCosts(Figures.seeded()).choose("peer", descriptors, nbytes, 1)
+    assert choice.path == path
+    assert Figures.seeded() == TCP
+
+
+def test_stages_from_is_the_first_count_priced_faster():
+    count = TCP.stages_from(4096, SLOT)
+    assert count is not None
+    nbytes = count * 4096
+    assert TCP.staged_s(1, nbytes) < TCP.direct_s(count, nbytes)
+    assert TCP.staged_s(1, nbytes - 4096) >= TCP.direct_s(count - 1, nbytes - 4096)
+    assert TCP.stages_from(65536, SLOT) is None  # the gather and scatter cost more than requests
+
+
+# --- the override gate ---------------------------------------------------------------------
+
+
+def test_settings_tell_a_knob_set_from_its_default(monkeypatch):
+    assert not settings.explicit(settings.STAGING_MIN_DESCRIPTORS)
+    set_knob(monkeypatch, settings.STAGING_MIN_DESCRIPTORS.name, "  ")  # blank: the default
+    assert not settings.explicit(settings.STAGING_MIN_DESCRIPTORS)
+    set_knob(monkeypatch, settings.STAGING_MIN_DESCRIPTORS.name, "64")  # the default, asked for
+    assert settings.explicit(settings.STAGING_MIN_DESCRIPTORS)
+    assert not settings.explicit(settings.STAGING_MAX_MEAN_BYTES)
+    monkeypatch.delenv(settings.STAGING_MIN_DESCRIPTORS.name)  # loaded values hold
+    assert settings.explicit(settings.STAGING_MIN_DESCRIPTORS)
+
+
+def test_no_knob_set_no_gate(monkeypatch):
+    assert Gate.overriding() is None
+    assert path_cost.path_costs().gate is None
+
+
+@pytest.mark.parametrize(
+    ("knob", "value", "gate"),
+    [
+        (settings.STAGING_MIN_DESCRIPTORS, "100", Gate(100, 65536)),
+        (settings.STAGING_MAX_MEAN_BYTES, "4096", Gate(64, 4096)),
+    ],
+)
+def test_either_knob_set_makes_the_gate_of_both_decide(monkeypatch, knob, value, gate):
+    set_knob(monkeypatch, knob.name, value)
+    assert Gate.overriding() == gate
+    assert path_cost.path_costs().gate == gate
+
+
+def test_the_gate_decides_at_its_boundaries_whatever_the_model_prices():
+    costs = model(gate=Gate(min_descriptors=100, max_mean_bytes=4096))
+    fewer = costs.choose("peer", 99, 99 * 16, 1)
+    enough = costs.choose("peer", 100, 100 * 4096, 1)
+    larger = costs.choose("peer", 100, 100 * 4096 + 1, 1)
+    assert (fewer.path, enough.path, larger.path) == (DIRECT, STAGED, DIRECT)
+    assert fewer.staged_s < fewer.direct_s  # the model would have staged it
+    assert (
+        fewer.reason == "below the gate: fewer than GPU_PLANNER_STAGING_MIN_DESCRIPTORS descriptors"
+    )
+    assert (
+        larger.reason == "below the gate: mean descriptor above GPU_PLANNER_STAGING_MAX_MEAN_BYTES"
+    )
+    assert enough.reason == PASSES_GATE
+    assert costs.choose("peer", 10**6, 0, 1).path == STAGED  # no probe under the gate
+
+
+# --- the probe ------------------------------------------------------------------------------
+
+
+def test_a_probe_takes_the_dearer_path_once_per_interval_within_the_loss_bound():
+    """Staged priced 10% over direct: every fifth choice of an interval of 4 probes it."""
+    figures = dataclasses.replace(EXACT, staged_fixed_s=0.0, request_s=REQUEST)
+    costs = PathCosts(figures, probe_interval=4)
+    # 10 descriptors direct: 10 requests; staged: 11 pieces: 10% dearer.
+    paths = [costs.choose("peer", 10, 0, 11).path for _ in range(15)]
+    assert paths == ([DIRECT] * 4 + [STAGED]) * 3
+    probe = costs.choose("other", 10, 0, 11)
+    assert probe.path == DIRECT  # each peer counts its own choices
+    far = PathCosts(figures, probe_interval=4)  # 30% dearer: past the bound, never probed
+    assert {far.choose("peer", 10, 0, 13).path for _ in range(20)} == {DIRECT}
+
+
+def test_a_probe_can_take_direct_too_and_names_itself():
+    costs = PathCosts(dataclasses.replace(EXACT, staged_fixed_s=0.0), probe_interval=2)
+    choices = [costs.choose("peer", 11, 0, 10) for _ in range(3)]
+    assert [choice.path for choice in choices] == [STAGED, STAGED, DIRECT]
+    assert choices[2].reason == f"probe: direct priced slower by at most {PROBE_MAX_LOSS:.0%}"
+
+
+# --- never the dearer path by its own model ------------------------------------------------
+
+positive = st.floats(min_value=1e-7, max_value=1e-2)
+bandwidth = st.floats(min_value=1e7, max_value=1e13)
+figures_strategy = st.builds(
+    Figures,
+    direct_fixed_s=st.floats(min_value=0, max_value=1e-1),
+    staged_fixed_s=st.floats(min_value=0, max_value=1e-1),
+    request_s=positive,
+    link_bytes_per_s=bandwidth,
+    gather_bytes_per_s=bandwidth,
+    scatter_fixed_s=st.floats(min_value=0, max_value=1e-2),
+    scatter_bytes_per_s=bandwidth,
+)
+peers = st.sampled_from(["a", "b", "c"])
+shape = st.tuples(
+    st.integers(min_value=1, max_value=1 << 16),  # descriptors
+    st.integers(min_value=0, max_value=1 << 32),  # bytes
+    st.integers(min_value=1, max_value=64),  # staged pieces
+)
+observation = st.tuples(
+    peers,
+    st.sampled_from(PATHS),
+    st.integers(min_value=1, max_value=1 << 16),
+    st.integers(min_value=0, max_value=1 << 32),
+    st.floats(min_value=1e-6, max_value=10.0),
+    st.booleans(),
+)
+step = st.one_of(
+    st.tuples(st.just("choose"), peers, shape), st.tuples(st.just("observe"), observation)
+)
+
+
+@given(seeds=figures_strategy, steps=st.lists(step, max_size=60), interval=st.sampled_from([0, 3]))
+def test_it_never_chooses_a_path_its_own_model_prices_higher(seeds, steps, interval):
+    """Whatever it learned: the cheaper path, direct on a tie; a probe only as bounded."""
+    costs = PathCosts(seeds, probe_interval=interval)
+    since_probe: dict[str, int] = {}
+    for kind, *arguments in steps:
+        if kind == "observe":
+            peer, path, requests, nbytes, seconds, ok = arguments[0]
+            costs.observe(peer, path, requests, nbytes, seconds, ok=ok)
+            continue
+        peer, (descriptors, nbytes, pieces) = arguments
+        choice = costs.choose(peer, descriptors, nbytes, pieces)
+        assert math.isfinite(choice.direct_s) and math.isfinite(choice.staged_s)
+        cheaper = STAGED if choice.staged_s < choice.direct_s else DIRECT
+        since_probe[peer] = since_probe.get(peer, interval) + 1
+        if choice.path != cheaper:
+            assert interval and choice.reason.startswith("probe: ")
+            assert max(choice.direct_s, choice.staged_s) <= (1 + PROBE_MAX_LOSS) * min(
+                choice.direct_s, choice.staged_s
+            )
+            assert since_probe[peer] > interval  # at most one in `interval` choices per peer
+            since_probe[peer] = 0
+        else:
+            assert choice.reason == (PRICED_FASTER if cheaper == STAGED else PRICED_SLOWER)
+
+
+# --- learning -------------------------------------------------------------------------------
+
+
+def truth_of(costs: PathCosts, truth: Figures, peer: str, sends: int, shapes) -> None:
+    """`sends` sends to `peer` taking `truth`'s times exactly, over `shapes` in turn."""
+    for number in range(sends):
+        descriptors, mean_bytes = shapes[number % len(shapes)]
+        nbytes = descriptors * mean_bytes
+        choice = costs.choose(peer, descriptors, nbytes, 1)
+        requests = descriptors if choice.path == DIRECT else 1
+        costs.observe(
+            peer, choice.path, requests, nbytes, truth.send_s(choice.path, requests, nbytes)
+        )
+
+
+SHAPES = [(32, 8192), (200, 4096), (488, 4096), (1952, 2048), (4096, 1024)]
+
+
+def test_it_learns_a_cheaper_staged_send_and_stages_earlier():
+    """The staged fixed cost falls from 4.5 ms (the seed) to 1 ms: the crossover moves down."""
+    truth = dataclasses.replace(TCP, staged_fixed_s=1e-3)
+    costs = model(TCP)
+    assert costs.choose("peer", 200, 200 * 4096, 1).path == DIRECT
+    truth_of(costs, truth, "peer", 200, SHAPES)
+    learned = costs.figures("peer")
+    assert learned.staged_fixed_s == pytest.approx(1e-3, rel=0.1)
+    assert learned.request_s == pytest.approx(truth.request_s, rel=0.1)
+    assert costs.choose("peer", 200, 200 * 4096, 1).path == STAGED  # 3.0 ms direct, 2.2 staged
+    assert learned.scatter_bytes_per_s == TCP.scatter_bytes_per_s  # never observed: the figure
+
+
+def test_it_learns_a_link_with_cheap_requests():
+    """RDMA-like: 2 us requests, 25 GB/s: a 488-descriptor send goes direct."""
+    truth = dataclasses.replace(TCP, request_s=2e-6, link_bytes_per_s=25e9)
+    costs = PathCosts(TCP, probe_interval=8)  # the probes bring its staged figures along
+    truth_of(costs, truth, "peer", 300, SHAPES)
+    learned = costs.figures("peer")
+    assert learned.request_s == pytest.approx(2e-6, rel=0.25)
+    assert costs.choose("peer", 488, 488 * 4096, 1).path == DIRECT
+
+
+def test_one_outlier_moves_a_figure_by_a_bounded_share():
+    """A 1,000x stall, then a 1,000x too fast sample: prices move by a few percent at most."""
+    costs = model(TCP)
+    truth_of(costs, TCP, "peer", 100, SHAPES)
+    before = costs.choose("peer", 488, 488 * 4096, 1)
+    for factor in (1000.0, 1e-3):
+        costs.observe("peer", DIRECT, 488, 488 * 4096, factor * TCP.direct_s(488, 488 * 4096))
+        after = costs.choose("peer", 488, 488 * 4096, 1)
+        assert after.direct_s == pytest.approx(before.direct_s, rel=0.1)
+        assert after.staged_s == pytest.approx(before.staged_s, rel=0.1)
+
+
+def test_figures_stay_in_physical_ranges_whatever_is_observed():
+    costs = model(TCP)
+    for _ in range(500):
+        costs.observe("peer", DIRECT, 1, 0, 10.0)  # 10 s for an empty send
+        costs.observe("peer", STAGED, 1, 1 << 40, 1e-6)  # a TiB in a microsecond
+    figures = costs.figures("peer")
+    assert 0 <= figures.direct_fixed_s <= 1.0 and 0 <= figures.staged_fixed_s <= 1.0
+    assert 1e-8 <= figures.request_s <= 1e-2
+    assert 1e6 <= figures.link_bytes_per_s <= 1e13
+    assert 1e7 <= figures.gather_bytes_per_s <= 1e14
+
+
+# --- bounded, and one peer's failures stay its own -----------------------------------------
+
+
+def test_its_state_is_bounded_under_10000_sends_to_100_peers():
+    costs = PathCosts(TCP, probe_interval=16)
+    rounds = []
+    for number in range(10_000):
+        peer = f"decode-{number % 100}"
+        descriptors, mean_bytes = SHAPES[(number // 100) % len(SHAPES)]
+        nbytes = descriptors * mean_bytes
+        choice = costs.choose(peer, descriptors, nbytes, 1)
+        requests = descriptors if choice.path == DIRECT else 1
+        seconds = TCP.send_s(choice.path, requests, nbytes) * (1 + (number % 7) / 10)
+        costs.observe(peer, choice.path, requests, nbytes, seconds, ok=number % 11 != 0)
+        if number in (99, 9_999):
+            rounds.append(costs.state_bytes())
+    assert rounds[0] == rounds[1]  # 100 sends or 10,000: the same state
+    assert len(costs.peers()) == 100
+    chosen = counters.snapshot()["paths_chosen"]
+    assert len(chosen) <= 8  # a fixed set of reasons, not one per peer or shape
+    for peer in costs.peers():
+        state = costs._peers[peer]
+        assert max(state.since) <= costs.probe_interval
+        weights = [state.moments[index].trace() for index in range(len(PATHS))]
+        assert all(math.isfinite(weight) for weight in weights)
+    for number in range(1000):  # more peers than it keeps: the least recently used go
+        costs.choose(f"other-{number}", 64, 64 * 4096, 1)
+    assert len(costs.peers()) == path_cost.MAX_PEERS
+    assert costs.state_bytes() == rounds[0] // 100 * path_cost.MAX_PEERS
+
+
+def test_a_peer_whose_sends_start_failing_poisons_no_figures():
+    """Failed sends change nothing; a slow peer's sends change only that peer's figures."""
+    costs = model(TCP)
+    truth_of(costs, TCP, "healthy", 60, SHAPES)
+    truth_of(costs, TCP, "failing", 60, SHAPES)
+    healthy, failing = costs.figures("healthy"), costs.figures("failing")
+    for path in PATHS:
+        for seconds in (60.0, 1e-9, 0.0, -1.0, math.inf, math.nan):
+            assert not costs.observe("failing", path, 488, 488 * 4096, seconds, ok=False)
+        for seconds in (0.0, -1.0, math.inf, math.nan):  # not a time, even if it "succeeded"
+            assert not costs.observe("failing", path, 488, 488 * 4096, seconds)
+        assert not costs.observe("failing", path, 0, 4096, 1.0)  # no request
+    assert costs.figures("failing") == failing
+    assert costs.figures("healthy") == healthy
+    for _ in range(200):  # its successful sends turn 10x slower: its own figures follow
+        for path in PATHS:
+            costs.observe("failing", path, 488, 488 * 4096, 10 * TCP.send_s(path, 488, 488 * 4096))
+    slow = costs.figures("failing")
+    assert slow.direct_s(488, 488 * 4096) > 5 * failing.direct_s(488, 488 * 4096)
+    assert costs.figures("healthy") == healthy
+    with pytest.raises(ValueError, match="unknown path"):
+        costs.observe("healthy", "bounced", 1, 1, 1.0)
+
+
+# --- counters, the process's instance, info -------------------------------------------------
+
+
+def test_choices_and_observations_are_counted():
+    before = counters.snapshot()
+    costs = model(TCP)
+    costs.choose("peer", 32, 32 * 8192, 1)
+    costs.choose("peer", 1952, 1952 * 2048, 1)
+    predicted = TCP.direct_s(32, 32 * 8192)
+    costs.observe("peer", DIRECT, 32, 32 * 8192, 2 * predicted)
+    costs.observe("peer", DIRECT, 32, 32 * 8192, 1.0, ok=False)  # not counted
+    after = counters.snapshot()
+
+    def grew(key: str) -> int:
+        return after["paths_chosen"].get(key, 0) - before["paths_chosen"].get(key, 0)
+
+    assert grew(f"direct/{PRICED_SLOWER}") == 1 and grew(f"staged/{PRICED_FASTER}") == 1
+    times, earlier = after["path_times"][DIRECT], before["path_times"].get(DIRECT, {})
+    assert times["sends"] - earlier.get("sends", 0) == 1
+    assert times["predicted_seconds"] - earlier.get("predicted_seconds", 0) == pytest.approx(
+        predicted
+    )
+    assert times["observed_seconds"] - earlier.get("observed_seconds", 0) == pytest.approx(
+        2 * predicted
+    )
+
+
+def test_the_counts_reach_sglang_metrics(tmp_path):
+    sender = (
+        "from gpu_planner.integration.sglang.path_cost import path_costs\n"
+        "costs = path_costs()\n"
+        "choice = costs.choose('decode', 32, 32 * 8192, 1)\n"
+        "costs.observe('decode', choice.path, 32, 32 * 8192, 1e-3)\n"
+    )
+    environment = {key: value for key, value in os.environ.items() if key[:12] != "GPU_PLANNER_"}
+    environment["PROMETHEUS_MULTIPROC_DIR"] = str(tmp_path)
+    subprocess.run([sys.executable, "-c", sender], env=environment, check=True, timeout=120)
+    registry = CollectorRegistry()
+    multiprocess.MultiProcessCollector(registry, path=str(tmp_path))
+    text = generate_latest(registry).decode()
+    assert (
+        'gpu_planner:paths_chosen_total{path="direct",reason="staging priced slower"} 1.0' in text
+    )
+    assert 'gpu_planner:path_observed_sends_total{path="direct"} 1.0' in text
+    assert 'gpu_planner:path_observed_seconds_total{path="direct"} 0.001' in text
+    assert 'gpu_planner:path_predicted_seconds_total{path="direct"}' in text
+    assert 'gpu_planner:path_observed_over_predicted_bucket{le="2.0",path="direct"} 1.0' in text
+
+
+def test_the_process_instance_is_rebuilt_when_settings_reload(monkeypatch):
+    costs = path_cost.path_costs()
+    assert path_cost.path_costs() is costs
+    assert costs.seeds == Figures.seeded() and costs.probe_interval == 64
+    set_knob(monkeypatch, settings.COST_STAGED_FIXED_US.name, "1000")
+    set_knob(monkeypatch, settings.COST_PROBE_INTERVAL.name, "0")
+    rebuilt = path_cost.path_costs()
+    assert rebuilt is not costs
+    assert rebuilt.seeds.staged_fixed_s == pytest.approx(1e-3) and rebuilt.probe_interval == 0
+
+
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [
+        ("GPU_PLANNER_COST_REQUEST_US", "0"),
+        ("GPU_PLANNER_COST_LINK_GB_S", "-1"),
+        ("GPU_PLANNER_COST_GATHER_GB_S", "inf"),
+        ("GPU_PLANNER_COST_SCATTER_GB_S", "nan"),
+        ("GPU_PLANNER_COST_STAGED_FIXED_US", "-0.5"),
+        ("GPU_PLANNER_COST_DIRECT_FIXED_US", "4ms"),
+        ("GPU_PLANNER_COST_PROBE_INTERVAL", "-1"),
+    ],
+)
+def test_a_bad_seed_names_its_knob(monkeypatch, name, value):
+    set_knob(monkeypatch, name, value)
+    with pytest.raises(settings.SettingError, match=f"{name}={value!r}"):
+        settings.load()
+
+
+def test_info_prints_the_models_figures(monkeypatch):
+    rows = dict(info.send_path())
+    assert rows["chooses by"].startswith("the cost model")
+    assert rows["seeded direct"] == "0.10 ms + 15.0 us per descriptor + bytes at 1.60 GB/s"
+    assert rows["seeded staged"].startswith("4.50 ms + 15.0 us per piece")
+    assert rows["probe"].startswith("at most 1 send in 64 per peer")
+    assert rows["peers"].startswith("none in this process")
+    costs = path_cost.path_costs()
+    costs.choose("decode-7", 64, 64 * 4096, 1)
+    costs.observe("decode-7", DIRECT, 64, 64 * 4096, 2e-3)
+    rows = dict(info.send_path())
+    assert "(from 1 direct and 0 staged sends)" in rows["peer decode-7"]
+    set_knob(monkeypatch, settings.STAGING_MIN_DESCRIPTORS.name, "100")
+    set_knob(monkeypatch, settings.GATHER_STAGING_BYTES.name, str(128 << 20))
+    rows = dict(info.send_path())
+    assert rows["chooses by"].startswith("the gate: sends of >= 100 descriptors")
+    count = Figures.seeded().stages_from(4096, SLOT)
+    assert f"{count} of 4 KiB" in rows["seeds stage from"]
+    assert "never at 64 KiB" in rows["seeds stage from"]
