@@ -25,7 +25,7 @@ TEST_SCAFFOLDING = Path(__file__).resolve().parent / "scaffolding"
 
 
 @pytest.fixture(scope="package", autouse=True)
-def test_scaffolding_on_server_path():
+def scaffolding_on_server_path():
     """Put the test-only sglang plugin (`scaffolding/`) on the servers' PYTHONPATH while the
     e2e tests run (the launcher passes its own PYTHONPATH on to every server)."""
     path = os.pathsep.join(filter(None, [str(TEST_SCAFFOLDING), os.environ.get("PYTHONPATH")]))
