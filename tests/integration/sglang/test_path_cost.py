@@ -12,6 +12,7 @@ import math
 import os
 import subprocess
 import sys
+import threading
 
 import pytest
 from hypothesis import given
@@ -371,6 +372,35 @@ def test_a_peer_whose_sends_start_failing_poisons_no_figures():
     assert costs.figures("healthy") == healthy
     with pytest.raises(ValueError, match="unknown path"):
         costs.observe("healthy", "bounced", 1, 1, 1.0)
+
+
+def test_the_same_sends_give_the_same_choices_and_figures():
+    """No randomness: two models fed one history choose alike, to the last bit."""
+    histories = []
+    for _ in range(2):
+        costs = PathCosts(TCP, probe_interval=4)
+        truth_of(costs, dataclasses.replace(TCP, staged_fixed_s=2e-3), "peer", 100, SHAPES)
+        choices = [costs.choose("peer", count, count * 4096, 1) for count in range(1, 2000, 37)]
+        histories.append((choices, costs.figures("peer")))
+    assert histories[0] == histories[1]
+
+
+def test_threads_share_one_model():
+    costs = PathCosts(TCP, probe_interval=8)
+
+    def sender(number: int) -> None:
+        for send in range(300):
+            peer = f"decode-{(number + send) % 3}"
+            choice = costs.choose(peer, 488, 488 * 4096, 1)
+            requests = 488 if choice.path == DIRECT else 1
+            costs.observe(peer, choice.path, requests, 488 * 4096, 1e-3 * (1 + send % 5))
+
+    threads = [threading.Thread(target=sender, args=(number,)) for number in range(6)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert sum(sum(costs.figures(peer).sends) for peer in costs.peers()) == 6 * 300
 
 
 # --- counters, the process's instance, info -------------------------------------------------
