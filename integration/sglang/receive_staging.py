@@ -114,6 +114,7 @@ class ReceiveRegion:
         with on_torch_device(torch_device):
             self.region = cuda_runtime().empty_bytes(nbytes, torch_device)
         self.capability = Capability(self.region.data_ptr(), self.region.numel())
+        self.session = manager.get_session_id()  # declarations toward this decode name it
         self._wrapper = manager.engine
         self._wrapper.register(self.region.data_ptr(), self.region.numel())
         self.release = weakref.finalize(manager, self._wrapper.deregister, self.region.data_ptr())
@@ -374,12 +375,12 @@ class ReceiveRegion:
                 return None
             if isinstance(declared, str):
                 return f"gpu_planner: prefill rank {prefill_rank}'s declaration: {declared}"
+            current = None if lending is None else lending.reservation.reservation_id
             for reservation_id, notes in (declared or {}).items():
-                other = self._lendings.get(reservation_id)
-                if notes and other is not None and other is not lending and other.room == room:
+                if notes and reservation_id != current:
                     return (
-                        f"gpu_planner: prefill rank {prefill_rank} staged {notes} chunks into a "
-                        "part lent to an earlier request of this room"
+                        f"gpu_planner: prefill rank {prefill_rank} staged {notes} chunks into "
+                        f"reservation {reservation_id}, which this request does not hold"
                     )
             if lending is None:
                 return None
@@ -592,7 +593,7 @@ def status_message_hook(original: Any, manager: Any, msg: Any, *args: Any, **kwa
         region = existing_region(manager)
         if region is not None:
             try:
-                declared: dict[int, int] | str | None = declared_notes(msg)
+                declared: dict[int, int] | str | None = declared_notes(msg, region.session)
             except Exception as error:  # a malformed declaration fails the rank's Success
                 declared = str(error)
             region.on_declared(parsed[0], parsed[2], declared)

@@ -396,8 +396,8 @@ def _decode_entries(
     return sum(int(item_len) for item_len in item_lens), entry_ids
 
 
-def declarations(manager: Any, room: int) -> dict[int, int]:
-    """{reservation id: staged notes sent} of `room`'s requests toward staging decodes.
+def declarations(manager: Any, room: int) -> dict[tuple[str, int], int]:
+    """{(decode session, reservation id): staged notes sent} of `room`'s lent requests.
 
     What this rank's Success status for `room` declares: every chunk of a
     lent request that no note names went direct.
@@ -409,7 +409,7 @@ def declarations(manager: Any, room: int) -> dict[int, int]:
             pages = getattr(info, "dst_kv_indices", None)
             route = _routes.get(id(pages))
             if route is not None and route.pages() is pages:
-                declared[route.reservation.reservation_id] = route.staged_notes
+                declared[route.session, route.reservation.reservation_id] = route.staged_notes
     return declared
 
 

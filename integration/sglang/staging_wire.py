@@ -17,9 +17,11 @@ recognise:
   so before that prefill rank's status: which prefill rank wrote which pages
   of every decode buffer (and which head share) into the reservation.
 - `Declared` (prefill -> decode), appended to a prefill rank's Success status
-  (after sglang's frames, which the decode's parser reads up to frame 3): for
-  each reservation the rank's request holds, how many `Staged` notes the rank
-  sent for it. Every chunk the rank sent that no note names went direct into
+  (after sglang's frames, which the decode's parser reads up to frame 3): the
+  tag, the decode sessions joined by newlines, then `<QQ` (reservation id,
+  notes) per session: how many `Staged` notes the rank sent for each lent
+  request the status concludes (one prefill rank may conclude to several
+  decode ranks). Every chunk the rank sent that no note names went direct into
   the request's pages, so the decode counts a request's KV as arrived only
   when every declared note arrived and scattered (`receive_staging`).
 
@@ -61,19 +63,28 @@ MAX_ENTRIES = 1 << 16  # decode KV buffers: far beyond any model
 MAX_DECLARED = 1 << 10  # reservations one status declares: one per decode rank it concludes
 
 
+def _tag_position(frames: list[bytes], first: int, tag: bytes) -> int | None:
+    """Where `tag` stands among `frames[first:]`, None when absent; `FrameError` when it
+    stands twice or the frames are not bytes."""
+    if not isinstance(frames, list) or not all(isinstance(frame, bytes) for frame in frames):
+        raise FrameError("not a list of bytes frames")
+    positions = [i for i in range(first, len(frames)) if frames[i] == tag]
+    if len(positions) > 1:
+        raise FrameError(f"{tag.decode()}: the tag must appear once")
+    return positions[0] if positions else None
+
+
 def _tagged_frame(frames: list[bytes], first: int, tag: bytes) -> bytes | None:
     """The frame after `tag` among `frames[first:]`, None when `tag` is absent.
 
     `FrameError` when the tag appears twice or has nothing after it.
     """
-    if not isinstance(frames, list) or not all(isinstance(frame, bytes) for frame in frames):
-        raise FrameError("not a list of bytes frames")
-    positions = [i for i in range(first, len(frames)) if frames[i] == tag]
-    if not positions:
+    position = _tag_position(frames, first, tag)
+    if position is None:
         return None
-    if len(positions) > 1 or positions[0] + 1 >= len(frames):
-        raise FrameError(f"{tag.decode()}: the tag must appear once, followed by its frame")
-    return frames[positions[0] + 1]
+    if position + 1 >= len(frames):
+        raise FrameError(f"{tag.decode()}: the tag must be followed by its frame")
+    return frames[position + 1]
 
 
 def _u64s(frame: bytes, count: int, field: str) -> tuple[int, ...]:
@@ -226,30 +237,42 @@ class Staged:
         """The room a note that does not parse still names in its room frame, or None."""
         if not isinstance(frames, list) or len(frames) < 2 or frames[0] != STAGED_TAG:
             return None
+        if not isinstance(frames[1], bytes):
+            return None
         try:
             return parse_int(frames[1], "room", 0, 2**64 - 1)
         except FrameError:
             return None
 
 
-def declared_frames(notes_by_reservation: dict[int, int]) -> list[bytes]:
-    """`Declared`: the frames to append to a Success status, {reservation id: notes sent}."""
-    values = [value for pair in notes_by_reservation.items() for value in pair]
-    return [DECLARED_TAG, struct.pack(f"<{len(values)}Q", *values)]
+def declared_frames(notes: dict[tuple[str, int], int]) -> list[bytes]:
+    """`Declared`: frames to append to a Success status, {(decode session, reservation id):
+    notes sent} for every lent request the status concludes."""
+    sessions = b"\n".join(session.encode("ascii") for session, _ in notes)
+    values = [value for (_, reservation), count in notes.items() for value in (reservation, count)]
+    return [DECLARED_TAG, sessions, struct.pack(f"<{len(values)}Q", *values)]
 
 
-def declared_notes(status_frames: list[bytes]) -> dict[int, int] | None:
-    """{reservation id: notes the rank sent} a status declares; None for a plain sglang prefill.
+def declared_notes(status_frames: list[bytes], session: str) -> dict[int, int] | None:
+    """{reservation id: notes the rank sent} a status declares toward decode `session`.
 
-    `FrameError` when the declaration is there but malformed.
+    None for a status without a declaration (a plain sglang prefill); {} when
+    it declares nothing toward this decode; `FrameError` when malformed.
     """
-    frame = _tagged_frame(status_frames, SGLANG_STATUS_FRAMES - 1, DECLARED_TAG)
-    if frame is None:
+    position = _tag_position(status_frames, SGLANG_STATUS_FRAMES - 1, DECLARED_TAG)
+    if position is None:
         return None
-    if len(frame) % 16 or len(frame) > 16 * MAX_DECLARED:
-        raise FrameError(f"declared: {len(frame)} bytes is not up to {MAX_DECLARED} u64 pairs")
-    values = _u64s(frame, len(frame) // 8, "declared")
-    declared = dict(zip(values[::2], values[1::2], strict=True))
-    if len(declared) != len(values) // 2:
-        raise FrameError("declared: a reservation declared twice")
+    if position + 2 >= len(status_frames):
+        raise FrameError("declared: the tag must be followed by its sessions and counts")
+    sessions, counts = status_frames[position + 1], status_frames[position + 2]
+    names = sessions.split(b"\n") if sessions else []
+    if len(names) > MAX_DECLARED or len(counts) != 16 * len(names):
+        raise FrameError(f"declared: {len(names)} sessions, {len(counts)} bytes of counts")
+    values = _u64s(counts, 2 * len(names), "declared")
+    declared: dict[int, int] = {}
+    for name, reservation_id, count in zip(names, values[::2], values[1::2], strict=True):
+        if name == session.encode("ascii"):
+            if reservation_id in declared:
+                raise FrameError(f"declared: reservation {reservation_id} declared twice")
+            declared[reservation_id] = count
     return declared

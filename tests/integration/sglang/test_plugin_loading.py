@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections import defaultdict
 from importlib.metadata import entry_points
@@ -9,36 +10,55 @@ from importlib.metadata import entry_points
 import numpy as np
 import pytest
 import torch
-from sglang_plugin_support import ORIGINALS, RecordingEngine, common, conn, make_manager, minimax
+from sglang_plugin_support import (
+    ORIGINALS,
+    RecordingEngine,
+    common,
+    conn,
+    make_decode_manager,
+    make_manager,
+    minimax,
+)
 from sglang_send_scenarios import SESSION
 
 from gpu_planner.integration.sglang import fallback as sglang_fallback
 from gpu_planner.integration.sglang import plugin as sglang_plugin
+from gpu_planner.integration.sglang import receive_staging
 from gpu_planner.integration.sglang.plugin import (
     CHUNK_READY_TARGET,
+    DECODE_STAGING,
     METADATA_MESSAGE_TARGET,
     PAGES_TARGET,
+    PREFILL_STAGING,
     PREFILL_STATUS_TARGET,
+    RECEIVER_CLEAR_TARGET,
     REGISTRATION_INFO_TARGET,
     REGISTRATION_MESSAGE_TARGET,
     SEND_TARGET,
     SLICE_TARGET,
+    STATUS_ENCODE_TARGET,
+    STATUS_PARSE_TARGET,
     SWA_SLICE_TARGET,
     TRANSFER_INFO_TARGET,
+    UPDATE_STATUS_TARGET,
     WARMUP_TARGET,
 )
 
 PLUGIN_LOGGER = "gpu_planner.integration.sglang.plugin"
 # What registers when the generic send cannot be hooked: everything else, in order.
-# Receive staging: the decode's messages and handlers, the prefill's parsers.
-STAGING_TARGETS = [
+# Receive staging: the decode's messages, handlers and room lifecycle; the prefill's parsers
+# and its status message.
+DECODE_TARGETS = [
     REGISTRATION_MESSAGE_TARGET,
     METADATA_MESSAGE_TARGET,
     CHUNK_READY_TARGET,
+    STATUS_PARSE_TARGET,
     PREFILL_STATUS_TARGET,
-    REGISTRATION_INFO_TARGET,
-    TRANSFER_INFO_TARGET,
+    UPDATE_STATUS_TARGET,
+    RECEIVER_CLEAR_TARGET,
 ]
+PREFILL_TARGETS = [REGISTRATION_INFO_TARGET, TRANSFER_INFO_TARGET, STATUS_ENCODE_TARGET]
+STAGING_TARGETS = DECODE_TARGETS + PREFILL_TARGETS
 HOOKS_BUT_GENERIC_SEND = [
     SLICE_TARGET,
     SWA_SLICE_TARGET,
@@ -161,3 +181,67 @@ def test_kv_to_page_indices_matches_sglang_on_cuda(dtype, page_size):
         assert isinstance(actual, np.ndarray)
         assert actual.dtype == expected.dtype
         np.testing.assert_array_equal(actual, expected)
+
+
+class RegisteringEngine:
+    """sglang's engine wrapper as a decode's receive staging uses it."""
+
+    def register(self, ptr: int, length: int) -> None:
+        pass
+
+    def deregister(self, ptr: int) -> None:
+        pass
+
+    def get_session_id(self) -> str:
+        return "127.0.0.1:16002"
+
+
+@pytest.fixture
+def decode_hooks_flag():
+    """`receive_staging`'s record of the decode hook set, restored after the test."""
+    yield
+    receive_staging.decode_hooks_registered(True)
+
+
+@pytest.mark.parametrize("skipped", STAGING_TARGETS)
+def test_a_staging_hook_that_cannot_register_keeps_its_whole_set_out(
+    fresh_registry, monkeypatch, caplog, decode_hooks_flag, skipped
+):
+    """One hook of a receive-staging side that this sglang would not take (a changed
+    signature): none of that side registers, one error names it, it is counted, and the
+    other side and every send hook stay. Without the decode's set, a decode neither
+    advertises nor lends."""
+    from gpu_planner.integration.sglang import counters
+
+    records = sglang_plugin.hook_records
+    monkeypatch.setattr(
+        sglang_plugin,
+        "hook_records",
+        lambda: [
+            dataclasses.replace(r, parameters=r.parameters[:-1]) if r.target == skipped else r
+            for r in records()
+        ],
+    )
+    group, out = (
+        (DECODE_STAGING, DECODE_TARGETS)
+        if skipped in DECODE_TARGETS
+        else (PREFILL_STAGING, PREFILL_TARGETS)
+    )
+    key = f"hooks not registered: {group}"
+    before = counters.snapshot()["fallbacks"].get(key, 0)
+    with caplog.at_level(logging.INFO, logger=PLUGIN_LOGGER):
+        sglang_plugin.register()
+    registered = set(fresh_registry._hooks)
+    assert registered == set(
+        [SEND_TARGET, SLICE_TARGET, SWA_SLICE_TARGET, PAGES_TARGET, WARMUP_TARGET]
+        + [target for target in STAGING_TARGETS if target not in out]
+    )
+    errors = [r for r in caplog.records if r.levelno == logging.ERROR]
+    assert len(errors) == 1 and group in errors[0].getMessage()
+    assert skipped in errors[0].getMessage()
+    assert counters.snapshot()["fallbacks"][key] == before + 1
+    decode = make_decode_manager(RegisteringEngine(), [1 << 30], [4096], [256], 4)
+    frames = [b"sglang's registration"]
+    hooked = receive_staging.registration_message_hook(lambda _: frames, decode)
+    assert (hooked is frames) == (group == DECODE_STAGING)  # advertised only with every hook
+    receive_staging.release_region(decode)

@@ -12,14 +12,16 @@ format's docstring describes.
 
 from __future__ import annotations
 
+import collections
 import gc
 import inspect
+from threading import Lock
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
-from hypothesis import HealthCheck, given
+from hypothesis import HealthCheck, example, given
 from hypothesis import settings as hypothesis_settings
 from hypothesis import strategies as st
 from sglang_plugin_support import conn, make_decode_manager
@@ -30,10 +32,12 @@ from gpu_planner.cuda_runtime import cuda_runtime
 from gpu_planner.integration.sglang import counters, receive_staging, staged_send
 from gpu_planner.integration.sglang.frames import KVRegistration, TransferRequest
 from gpu_planner.integration.sglang.staging_wire import (
+    DECLARED_TAG,
     STAGED_TAG,
     Capability,
     Reservation,
     Staged,
+    declared_frames,
 )
 
 PAGE_SIZE = 4
@@ -44,6 +48,7 @@ REGION_BYTES = 64 << 10
 ALIGNMENT = receive_staging.ALIGNMENT
 KV_POLL_TRANSFERRING, KV_POLL_SUCCESS, KV_POLL_FAILED = 3, 4, 0
 SESSION = "127.0.0.1:16001"
+DECODE_SESSION = "127.0.0.1:16002"  # the decode's own Mooncake session, as declarations name it
 
 
 class FakeEngine:
@@ -52,6 +57,9 @@ class FakeEngine:
     def __init__(self, fail_register: Exception | None = None) -> None:
         self.calls: list[tuple] = []
         self.fail_register = fail_register
+
+    def get_session_id(self) -> str:
+        return DECODE_SESSION
 
     def register(self, ptr: int, length: int) -> None:
         self.calls.append(("register", ptr, length))
@@ -82,10 +90,19 @@ class Pool:
     def bytes(self) -> np.ndarray:
         return self.tensor.numpy().copy()
 
+    def page(self, buffer: int, page: int) -> slice:
+        start = self.offsets[buffer] + page * self.item_lens[buffer]
+        return slice(start, start + self.item_lens[buffer])
 
-def decode_manager(engine, pool: Pool, mode: str = "DECODE") -> conn.MooncakeKVManager:
-    """A real decode-side manager over `pool` (`bench.sglang_manager.make_decode_manager`)."""
-    return make_decode_manager(engine, pool.ptrs, pool.lens, pool.item_lens, PAGE_SIZE, mode)
+
+def decode_manager(
+    engine, pool: Pool, mode: str = "DECODE", device_buffers: int = 0
+) -> conn.MooncakeKVManager:
+    """A real decode-side manager over `pool` (`bench.sglang_manager.make_decode_manager`);
+    its last `device_buffers` buffers take HiSparse's device pages."""
+    return make_decode_manager(
+        engine, pool.ptrs, pool.lens, pool.item_lens, PAGE_SIZE, mode, device_buffers
+    )
 
 
 def registration_frames(pool: Pool) -> list[bytes]:
@@ -103,10 +120,11 @@ def registration_frames(pool: Pool) -> list[bytes]:
 class Decode:
     """One decode manager and the hooked calls sglang makes on it."""
 
-    def __init__(self, item_lens=ITEM_LENS, engine=None, seed=0, mode="DECODE") -> None:
+    def __init__(self, item_lens=ITEM_LENS, engine=None, seed=0, mode="DECODE", device_buffers=0):
         self.engine = FakeEngine() if engine is None else engine
         self.pool = Pool(item_lens, seed)
-        self.manager = decode_manager(self.engine, self.pool, mode)
+        self.manager = decode_manager(self.engine, self.pool, mode, device_buffers)
+        self.sent: dict[tuple[int, int], dict[int, int]] = {}  # (room, rank): {reservation: notes}
 
     @property
     def region(self) -> receive_staging.ReceiveRegion | None:
@@ -150,17 +168,41 @@ class Decode:
         return Reservation.from_metadata(hooked, self.region.capability)
 
     def note(self, frames: list[bytes]):
+        """A prefill's note through the hooked handler; the honest prefill that sent it will
+        declare it in its status (`status`), whatever the decode made of it."""
+        try:
+            staged = Staged.from_frames(frames)
+            sent = self.sent.setdefault((staged.room, staged.prefill_rank), {})
+            sent[staged.reservation_id] = sent.get(staged.reservation_id, 0) + 1
+        except Exception:  # not parseable: the test declares what its prefill sent
+            pass
+
         def original(manager, msg):
             raise AssertionError(f"sglang's handle_chunk_ready got a staged note: {msg[:1]}")
 
         return receive_staging.chunk_ready_hook(original, self.manager, frames)
 
-    def status(self, room, status, prefill_rank=0, log=None, applied=None) -> list[dict]:
-        """A prefill rank's status through the hooked handler; what sglang's own got.
+    def status(
+        self, room, status, prefill_rank=0, log=None, applied=None, declared=None
+    ) -> list[dict]:
+        """A prefill rank's status through the hooked parser and handler; what sglang's got.
 
-        sglang's handler (the `original`) sets the room's status to the one it
-        got, or to `applied` (a Success before the room's last rank: Transferring).
+        The status declares `declared` ({reservation id: notes}; default: the
+        notes `note` delivered for this room and rank; {} declares nothing;
+        None sends sglang's plain frames). sglang's handler (the `original`)
+        sets the room's status to the one it got, or to `applied` (a Success
+        before the room's last rank: Transferring).
         """
+        if declared is None and status == KV_POLL_SUCCESS:
+            declared = self.sent.pop((room, prefill_rank), None)
+        frames = [str(room).encode(), str(status).encode(), str(prefill_rank).encode()]
+        if declared is not None:
+            notes = {(DECODE_SESSION, reservation): n for reservation, n in declared.items()}
+            frames += [b"", *declared_frames(notes)]
+        parsed = receive_staging.status_message_hook(
+            lambda _, msg: (room, status, prefill_rank, None), self.manager, frames
+        )
+        assert parsed == (room, status, prefill_rank, None)
         calls: list[dict] = []
 
         def original(manager, **kwargs):
@@ -229,11 +271,12 @@ def fill_region(region: receive_staging.ReceiveRegion, seed: int) -> np.ndarray:
 
 
 def note(room, reservation, chunks, entries=(0, 1, 2, 3), is_device=None, writers=1, writer=0,
-         reservation_id=None) -> list[bytes]:  # fmt: skip
+         reservation_id=None, prefill_rank=None) -> list[bytes]:  # fmt: skip
     entries = np.asarray(entries, dtype=np.int64)
     return Staged(
         room=room,
         reservation_id=reservation.reservation_id if reservation_id is None else reservation_id,
+        prefill_rank=writer if prefill_rank is None else prefill_rank,
         writer=writer,
         writers=writers,
         entries=entries,
@@ -367,8 +410,11 @@ def test_the_same_room_asked_twice_gets_the_same_part(decodes):
     assert other.offset >= first.offset + aligned(first.nbytes)
     assert decode.region.lent_rooms == 2
     assert decode.region.free_bytes == REGION_BYTES - aligned(first.nbytes) - aligned(other.nbytes)
-    _, changed = decode.request(7, distinct_pages(1, 6))  # the same room, other pages: nothing
-    assert Reservation.from_metadata(changed, decode.region.capability) is None
+    _, changed = decode.request(7, distinct_pages(1, 6))  # the same room, other pages: a new
+    renewed = Reservation.from_metadata(changed, decode.region.capability)  # request, a new part
+    assert renewed.reservation_id not in (first.reservation_id, other.reservation_id)
+    assert renewed.offset >= other.offset + aligned(other.nbytes)  # the first one is quarantined
+    assert decode.region.lent_rooms == 3
 
 
 def test_a_request_too_large_goes_as_today_and_is_counted(decodes):
@@ -412,91 +458,182 @@ def test_no_region_advertised_lends_nothing(decodes):
     assert hooked is frames and decode.region is None
 
 
-class Model:
-    """What the region must hold after each operation, predicted from the rules alone."""
+class Request:
+    """One request of a room, as its prefill (rank 0, honest) and the test see it."""
 
-    def __init__(self, size: int) -> None:
-        self.size = size
-        self.lent: dict[int, tuple[Reservation, float | None]] = {}  # room: (part, quarantined)
-
-    def parts(self) -> list[tuple[int, int]]:
-        return sorted((r.offset, aligned(r.nbytes)) for r, _ in self.lent.values())
-
-    def first_fit(self, nbytes: int) -> int | None:
-        start = 0
-        for offset, size in self.parts() + [(self.size, 0)]:
-            if offset - start >= nbytes:
-                return start
-            start = offset + size
-        return None
-
-    def sweep(self, status: dict, now: float) -> None:
-        for room, (reservation, since) in list(self.lent.items()):
-            if since is None and status.get(room) in (None, KV_POLL_FAILED):
-                since = now
-                self.lent[room] = (reservation, since)
-            if since is not None and since + receive_staging.QUARANTINE_S <= now:
-                del self.lent[room]
+    def __init__(self, room: int, pages: np.ndarray, receiver, reservation) -> None:
+        self.room, self.pages, self.receiver, self.reservation = room, pages, receiver, reservation
+        self.sent = 0  # pages sent so far (staged or direct), in order
+        self.notes = 0  # staged notes the prefill sent (and declares)
+        self.lost = False  # a note it sent never arrived
+        self.landed: dict[tuple[int, int], bytes] = {}  # (buffer, page position): its bytes
+        self.ended = False  # failed, aborted, timed out or cleared
+        self.concluded = False  # its prefill sent its status: it sends nothing more
 
 
-KINDS = ["reserve"] * 3 + ["success", "fail", "clear", "tick", "wait out"]
-operations = st.lists(  # (kind, slot, pages): a slot holds one live room at a time
-    st.tuples(st.sampled_from(KINDS), st.integers(0, 3), st.integers(1, 12)),
-    min_size=10,
-    max_size=40,
+def open_request(decode: Decode, room: int, pages: np.ndarray) -> Request:
+    """sglang's decode opens a request of `room` (a real receiver) and sends its metadata."""
+    manager = decode.manager
+    receiver = conn.MooncakeKVReceiver(manager, "127.0.0.1:8998", room)
+    manager.required_prefill_response_num_table[room] = 1
+    receiver.init_time = 0.0  # metadata sent long ago (sglang's `init`): a timeout step fires
+    return Request(room, pages, receiver, decode.reserve(room, pages))
+
+
+def page_bytes(pool: Pool, kv: np.ndarray, buffer: int, page: int) -> bytes:
+    return kv[pool.page(buffer, page)].tobytes()
+
+
+ROOM_STEPS = ["open"] * 3 + ["stage"] * 3 + ["direct", "lose", "stale", "success"] * 2
+ROOM_STEPS += ["abort", "timeout", "clear", "clear", "tick", "wait out"]
+SENDS = ("stage", "lose", "direct")  # a chunk: staged, staged with its note lost, direct
+ROOMS = [0] * 6 + [1] * 4 + [2] * 2 + list(range(3, 16))  # 16 rooms, a few busy ones
+room_steps = st.lists(
+    st.tuples(st.sampled_from(ROOM_STEPS), st.sampled_from(ROOMS), st.integers(1, 3)),
+    min_size=20,
+    max_size=80,
 )
 
 
-@hypothesis_settings(max_examples=60, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(steps=operations)
-def test_parts_of_live_rooms_never_overlap_and_all_bytes_are_accounted(staging_bytes, clock, steps):
-    staging_bytes(8192)  # 32 parts of 256 bytes; requests of up to 12 pages of 192 bytes
+@hypothesis_settings(
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(steps=room_steps)
+@example(steps=[("open", 0, 2), ("stage", 0, 1), ("lose", 0, 1), ("success", 0, 1)])
+@example(  # the issue's reuse: request 1 aborted, cleared; request 2 of the room, as many pages
+    steps=[("open", 0, 2), ("stage", 0, 2), ("abort", 0, 1), ("clear", 0, 1), ("open", 0, 2)]
+    + [("stale", 0, 1), ("stage", 0, 2), ("success", 0, 1), ("clear", 0, 1)]
+)
+@example(
+    steps=[("open", 1, 2), ("stage", 1, 1), ("timeout", 1, 1), ("stale", 1, 1), ("clear", 1, 1)]
+    + [("open", 1, 2), ("direct", 1, 1), ("stage", 1, 1), ("stale", 1, 1), ("success", 1, 1)]
+)
+def test_no_room_succeeds_without_its_bytes_and_every_part_comes_back(staging_bytes, clock, steps):
+    """Random interleavings of lend, staged and direct chunks, lost and stale notes, status,
+    abort, waiting timeout, clear and reuse over 16 rooms (sglang's own receiver and status
+    code, hooked). After each step the pool holds exactly what the rules let land (no stale
+    note scatters, nothing outside a live request's pages), no two lendings share a byte of
+    the region, every Success has every byte its prefill sent, and at the end every part is
+    back."""
+    staging_bytes(16 * 1024)
     clock.value = 1000.0
-    decode = Decode()
+    decode = Decode(seed=1)
+    manager = decode.manager
+    manager.addr_to_rooms_tracker = collections.defaultdict(set)
+    manager._deferred_ack_targets, manager._deferred_ack_poisoned_rooms = {}, set()
+    manager._staging_outstanding = collections.defaultdict(int)
+    manager.waiting_timeout, manager.connection_lock, manager.connection_pool = 1.0, Lock(), {}
+    rng = np.random.default_rng(7)
     try:
         decode.advertise()
-        region, model = decode.region, Model(8192)
-        status = decode.manager.request_status
-        rooms, fresh = {}, iter(range(100, 1000))  # slot: its live room id
-        for step in steps:
-            kind, argument = step[0], step[1]
+        region = decode.region
+        expected = decode.pool.bytes()  # what the pool must hold
+        live: dict[int, Request] = {}
+        ended: list[Request] = []
+        free_pages = list(range(POOL_PAGES))
+        for kind, room, count in steps:
+            request = live.get(room)
             if kind in ("tick", "wait out"):
                 clock.value += 1.0 if kind == "tick" else receive_staging.QUARANTINE_S
-            elif kind == "reserve":
-                if argument not in rooms:
-                    rooms[argument] = next(fresh)
-                room = rooms[argument]
-                pages = np.arange(step[2]) % POOL_PAGES
-                model.sweep(status, clock.value)
-                got = decode.reserve(room, pages)
-                held = model.lent.get(room)
-                if held is not None:  # asked again: the same part, or none while quarantined
-                    expected = held[0] if held[1] is None and held[0].pages == len(pages) else None
-                    assert got == expected
-                elif got is None:
-                    assert model.first_fit(aligned(len(pages) * PAGE_BYTES)) is None
-                else:
-                    assert got.offset == model.first_fit(aligned(got.nbytes))  # first fit
-                    assert (got.pages, got.nbytes) == (len(pages), len(pages) * PAGE_BYTES)
-                    model.lent[room] = (got, None)
-            elif argument in rooms:
-                room = rooms.pop(argument)
-                if kind == "clear":
-                    status.pop(room, None)
+            elif kind == "open" and request is None and len(free_pages) >= count:
+                pages = np.array(
+                    [free_pages.pop(rng.integers(len(free_pages))) for _ in range(count)]
+                )
+                live[room] = open_request(decode, room, pages.astype(np.int32))
+            elif request is None or (request.concluded and kind in SENDS + ("success",)):
+                pass
+            elif kind in SENDS and request.sent < len(request.pages):
+                first, count = request.sent, min(count, len(request.pages) - request.sent)
+                request.sent += count
+                if kind == "direct" or request.reservation is None:  # the prefill's own RDMA
+                    kv = decode.pool.tensor.numpy()
+                    for buffer in range(len(ITEM_LENS)):
+                        for position in range(first, first + count):
+                            page = decode.pool.page(buffer, int(request.pages[position]))
+                            data = rng.integers(0, 256, page.stop - page.start, dtype=np.uint8)
+                            kv[page] = data
+                            expected[page] = data
                     continue
-                decode.status(room, KV_POLL_SUCCESS if kind == "success" else KV_POLL_FAILED)
-                if room in model.lent and model.lent[room][1] is None:
-                    if kind == "success":
-                        del model.lent[room]
-                    else:
-                        model.lent[room] = (model.lent[room][0], clock.value)
-            parts = model.parts()
-            assert all(a + n <= b for (a, n), (b, _) in zip(parts[:-1], parts[1:], strict=True))
-            assert all(a >= 0 and a + n <= model.size for a, n in parts)
-            assert region.lent_rooms == len(model.lent)
-            assert region.free_bytes + sum(n for _, n in parts) == region.region.numel()
+                reservation = request.reservation
+                start = reservation.offset + first * PAGE_BYTES
+                data = rng.integers(0, 256, count * PAGE_BYTES, dtype=np.uint8)
+                region.region[start : start + data.size] = torch.from_numpy(data)
+                frames = note(room, reservation, [(first, count)])
+                request.notes += 1
+                landed = reference(decode.pool, expected, region.region.numpy(), reservation,
+                                   frames, request.pages)  # fmt: skip
+                for buffer in range(len(ITEM_LENS)):
+                    for position in range(first, first + count):
+                        page = int(request.pages[position])
+                        request.landed[buffer, position] = page_bytes(
+                            decode.pool, landed, buffer, page
+                        )
+                if kind == "lose":
+                    request.lost = True
+                    continue
+                decode.note(frames)
+                if not request.ended:
+                    expected = landed
+            elif kind == "stale":
+                old = next((r for r in reversed(ended) if r.room == room and r.reservation), None)
+                if old is not None:
+                    decode.note(note(room, old.reservation, [(0, 1)]))  # its prefill, late
+            elif kind == "success":
+                declared = None if request.reservation is None else {
+                    request.reservation.reservation_id: request.notes
+                }  # fmt: skip
+                was = manager.request_status.get(room)
+                frames = [str(room).encode(), str(KV_POLL_SUCCESS).encode(), b"0"]
+                if declared is not None:
+                    notes = {(DECODE_SESSION, k): v for k, v in declared.items()}
+                    frames += [b"", *declared_frames(notes)]
+                parsed = conn.MooncakeKVManager.parse_kv_status_message(manager, frames)  # hooked
+                conn.MooncakeKVManager.apply_prefill_status(
+                    manager, bootstrap_room=parsed[0], status=parsed[1], prefill_rank=parsed[2]
+                )
+                request.concluded = True
+                now = manager.request_status.get(room)
+                if now == KV_POLL_SUCCESS:
+                    assert was != KV_POLL_FAILED and not request.lost and not request.ended
+                    kv = decode.pool.tensor.numpy()
+                    for (buffer, position), data in request.landed.items():
+                        page = int(request.pages[position])
+                        assert page_bytes(decode.pool, kv, buffer, page) == data
+                else:  # honest, in time, nothing lost: only a failed request fails
+                    assert request.lost or request.ended or was == KV_POLL_FAILED
+            elif kind == "abort":
+                request.receiver.abort()
+                request.ended = True
+            elif kind == "timeout":  # opened long ago (init_time 0): past sglang's timeout
+                assert request.receiver._check_waiting_timeout() == KV_POLL_FAILED
+                request.ended = True
+            elif kind == "clear":
+                request.receiver.clear()
+                request.ended = True
+                ended.append(live.pop(room))
+                free_pages.extend(int(page) for page in request.pages)
+            np.testing.assert_array_equal(decode.pool.bytes(), expected)
+            check_parts(region)
+            held = [r.reservation.reservation_id for r in live.values() if r.reservation]
+            assert len(held) == len(set(held))
+        for request in list(live.values()):
+            request.receiver.clear()
+        clock.value += receive_staging.QUARANTINE_S
+        region.reserve(manager.request_status, 10**6, np.zeros(0, np.int64), None)  # a sweep
+        assert region.lent_rooms == 0 and region.free_bytes == region.region.numel()
     finally:
-        receive_staging.release_region(decode.manager)
+        receive_staging.release_region(manager)
+
+
+def check_parts(region: receive_staging.ReceiveRegion) -> None:
+    """No two lendings share a byte; lent and free bytes add up to the region."""
+    parts = sorted(
+        (lending.reservation.offset, aligned(lending.reservation.nbytes))
+        for lending in region._lendings.values()
+    )
+    assert all(a + n <= b for (a, n), (b, _) in zip(parts[:-1], parts[1:], strict=True))
+    assert all(a >= 0 and a + n <= region.region.numel() for a, n in parts)
+    assert region.free_bytes + sum(n for _, n in parts) == region.region.numel()
 
 
 # Lifecycle
@@ -569,10 +706,6 @@ def hostile_cases():
     """(prelude notes, the hostile note) as functions of (room, reservation)."""
     last = REQUEST_PAGES
     return {
-        "wrong reservation id": (
-            [],
-            lambda room, r: note(room, r, [(0, 2)], reservation_id=r.reservation_id + 1),
-        ),
         "writers changed, 2 then 1": (
             [lambda room, r: note(room, r, [(0, 2)], writers=2)],
             lambda room, r: note(room, r, [(2, 2)]),
@@ -627,17 +760,37 @@ def test_a_hostile_note_writes_nothing_and_fails_the_room(decodes, case):
     assert decode.region.lent_rooms == 1  # quarantined, not freed
 
 
-def test_a_note_for_a_room_never_lent_is_ignored(decodes):
+def test_a_note_naming_another_rooms_part_scatters_nothing_and_fails_both(decodes):
+    """Room 42's prefill says it staged into room 41's part: 42's pages never got those bytes,
+    and 41's part may hold 42's: neither request counts its KV as arrived."""
     decode = decodes()
     decode.advertise()
     reservation = decode.reserve(41, distinct_pages(3, REQUEST_PAGES))
     fill_region(decode.region, seed=2)
     before = decode.pool.bytes()
+    decode.manager.request_status[42] = KV_POLL_TRANSFERRING
     assert decode.note(note(42, reservation, [(0, 2)])) is True
     np.testing.assert_array_equal(decode.pool.bytes(), before)
-    decode.manager.request_status[42] = KV_POLL_TRANSFERRING
     [call] = decode.status(42, KV_POLL_SUCCESS)
-    assert call["status"] == KV_POLL_SUCCESS and "failure_reason" not in call
+    assert call["status"] == KV_POLL_FAILED and "does not hold" in call["failure_reason"]
+    [call] = decode.status(41, KV_POLL_SUCCESS, declared={})
+    assert call["status"] == KV_POLL_FAILED and "room 42" in call["failure_reason"]
+
+
+def test_a_note_for_a_reservation_the_request_does_not_hold_fails_it(decodes):
+    """A note naming a reservation this decode never lent (or freed) scatters nothing; the
+    prefill's declaration of it fails the request: its chunk did not reach its pages."""
+    decode = decodes()
+    decode.advertise()
+    reservation = decode.reserve(41, distinct_pages(3, REQUEST_PAGES))
+    fill_region(decode.region, seed=2)
+    before, dropped = decode.pool.bytes(), receive_fallbacks("staged note for no live lending")
+    stale = note(41, reservation, [(0, 2)], reservation_id=reservation.reservation_id ^ 1)
+    assert decode.note(stale) is True
+    np.testing.assert_array_equal(decode.pool.bytes(), before)
+    assert receive_fallbacks("staged note for no live lending") == dropped + 1
+    [call] = decode.status(41, KV_POLL_SUCCESS)
+    assert call["status"] == KV_POLL_FAILED and "does not hold" in call["failure_reason"]
 
 
 def test_a_note_for_a_quarantined_room_is_ignored(decodes):
@@ -675,16 +828,36 @@ def test_a_note_for_a_room_sglang_cleared_writes_nothing(decodes):
         [STAGED_TAG, "41", b"1", b"0", b"1", b"\x00" * 4, b"\x00", b"\x00" * 16],
     ],
 )
-def test_a_malformed_note_is_dropped(decodes, frames):
+def test_a_malformed_note_scatters_nothing_and_never_passes_as_arrived(decodes, frames):
+    """One that names the lent room fails it; one that names none is counted, and the
+    prefill's declaration of the note it sent fails the request."""
+    decode = decodes()
+    decode.advertise()
+    reservation = decode.reserve(41, distinct_pages(3, REQUEST_PAGES))
+    fill_region(decode.region, seed=2)
+    before, malformed = decode.pool.bytes(), receive_fallbacks("staged note malformed")
+    assert decode.note(frames) is True
+    np.testing.assert_array_equal(decode.pool.bytes(), before)
+    names_the_room = len(frames) > 1 and frames[1] == b"41"
+    assert receive_fallbacks("staged note malformed") == malformed + (not names_the_room)
+    [call] = decode.status(41, KV_POLL_SUCCESS, declared={reservation.reservation_id: 1})
+    assert call["status"] == KV_POLL_FAILED
+    expected = "does not parse" if names_the_room else "declared 1 staged chunks, 0 arrived"
+    assert expected in call["failure_reason"]
+
+
+def test_a_malformed_declaration_fails_the_ranks_success(decodes):
     decode = decodes()
     decode.advertise()
     decode.reserve(41, distinct_pages(3, REQUEST_PAGES))
-    fill_region(decode.region, seed=2)
-    before = decode.pool.bytes()
-    assert decode.note(frames) is True
-    np.testing.assert_array_equal(decode.pool.bytes(), before)
-    [call] = decode.status(41, KV_POLL_SUCCESS)  # it names no room it could fail
-    assert call["status"] == KV_POLL_SUCCESS
+    frames = [b"41", b"4", b"0", b"", DECLARED_TAG, b"127.0.0.1:1", b"\x01"]
+    receive_staging.status_message_hook(lambda _, msg: (41, 4, 0, None), decode.manager, frames)
+    calls = []
+    receive_staging.prefill_status_hook(
+        lambda manager, **kwargs: calls.append(kwargs), decode.manager,
+        bootstrap_room=41, status=KV_POLL_SUCCESS, prefill_rank=0,
+    )  # fmt: skip
+    assert calls[0]["status"] == KV_POLL_FAILED and "declaration" in calls[0]["failure_reason"]
 
 
 @pytest.mark.parametrize(
@@ -709,7 +882,7 @@ def test_a_message_without_our_tag_goes_to_sglang(decodes, message):
 
 def test_whole_pages_land_by_each_buffers_page_space(decodes):
     """W = 1, HiSparse: buffers 2 and 3 take the device pages, 0 and 1 the host pages."""
-    decode = decodes(seed=5)
+    decode = decodes(seed=5, device_buffers=2)
     decode.advertise()
     host_pages = distinct_pages(11, REQUEST_PAGES)
     device_pages = distinct_pages(12, REQUEST_PAGES)

@@ -19,6 +19,7 @@ from gpu_planner.inputs import INT64_MAX
 from gpu_planner.integration.sglang.frames import MAX_RANKS, FrameError
 from gpu_planner.integration.sglang.staging_wire import (
     CAPABILITY_TAG,
+    DECLARED_TAG,
     MAX_ENTRIES,
     RESERVATION_TAG,
     SGLANG_METADATA_FRAMES,
@@ -29,6 +30,8 @@ from gpu_planner.integration.sglang.staging_wire import (
     Reservation,
     Staged,
     chunk_offset,
+    declared_frames,
+    declared_notes,
     writer_part,
 )
 
@@ -49,6 +52,7 @@ def staged(**changes) -> Staged:
     fields = dict(
         room=123456789,
         reservation_id=7,
+        prefill_rank=5,
         writer=1,
         writers=2,
         entries=np.array([3, 0, 2], dtype=np.int64),
@@ -61,7 +65,8 @@ def staged(**changes) -> Staged:
 
 def staged_frames(**replaced: bytes) -> list[bytes]:
     """A valid note's frames with some replaced, by field name."""
-    names = ["tag", "room", "reservation_id", "writer", "writers", "entries", "is_device", "chunks"]
+    names = ["tag", "room", "reservation_id", "prefill_rank", "writer", "writers", "entries"]
+    names += ["is_device", "chunks"]
     frames = staged().frames()
     for name, frame in replaced.items():
         frames[names.index(name)] = frame
@@ -69,12 +74,10 @@ def staged_frames(**replaced: bytes) -> list[bytes]:
 
 
 def assert_same_staged(parsed: Staged, expected: Staged) -> None:
-    assert (parsed.room, parsed.reservation_id, parsed.writer, parsed.writers) == (
-        expected.room,
-        expected.reservation_id,
-        expected.writer,
-        expected.writers,
-    )
+    fields = ("room", "reservation_id", "prefill_rank", "writer", "writers")
+    assert [getattr(parsed, name) for name in fields] == [
+        getattr(expected, name) for name in fields
+    ]
     np.testing.assert_array_equal(parsed.entries, expected.entries)
     np.testing.assert_array_equal(parsed.is_device, expected.is_device)
     np.testing.assert_array_equal(parsed.chunks, expected.chunks)
@@ -114,12 +117,12 @@ def test_a_capability_of_the_wrong_length_names_the_region(size):
 
 def test_a_capability_tag_twice_is_refused():
     frame = struct.pack("<QQ", 4096, 4096)
-    with pytest.raises(FrameError, match="gpu_planner.receive_staging/1: the tag must appear once"):
+    with pytest.raises(FrameError, match="gpu_planner.receive_staging/2: the tag must appear once"):
         Capability.from_registration(registration(CAPABILITY_TAG, frame, CAPABILITY_TAG, frame))
 
 
 def test_a_capability_tag_with_nothing_after_it_is_refused():
-    with pytest.raises(FrameError, match="gpu_planner.receive_staging/1"):
+    with pytest.raises(FrameError, match="gpu_planner.receive_staging/2"):
         Capability.from_registration(registration(CAPABILITY_TAG))
 
 
@@ -209,9 +212,9 @@ def test_reservation_values_of_2_63_or_more_are_refused(index):
 
 def test_a_reservation_tag_twice_or_last_is_refused():
     frame = Reservation(1, 0, 256, 1).frames()[1]
-    with pytest.raises(FrameError, match="gpu_planner.reservation/1"):
+    with pytest.raises(FrameError, match="gpu_planner.reservation/2"):
         Reservation.from_metadata(metadata(RESERVATION_TAG, frame, RESERVATION_TAG, frame), REGION)
-    with pytest.raises(FrameError, match="gpu_planner.reservation/1"):
+    with pytest.raises(FrameError, match="gpu_planner.reservation/2"):
         Reservation.from_metadata(metadata(RESERVATION_TAG), REGION)
 
 
@@ -254,7 +257,7 @@ def test_a_staged_note_that_is_not_a_list_is_refused():
         Staged.from_frames(b"".join(staged().frames()))
 
 
-@pytest.mark.parametrize("tag", [b"gpu_planner.staged/2", b"CHUNK_READY", b"", CAPABILITY_TAG])
+@pytest.mark.parametrize("tag", [b"gpu_planner.staged/1", b"CHUNK_READY", b"", CAPABILITY_TAG])
 def test_a_staged_note_with_another_tag_is_refused(tag):
     with pytest.raises(FrameError, match="wrong tag"):
         Staged.from_frames(staged_frames(tag=tag))
@@ -336,6 +339,7 @@ def check_in_range(note: Staged) -> None:
     """Every field of a parsed note is in its documented range."""
     assert 0 <= note.room < 2**64
     assert 0 <= note.reservation_id <= INT64_MAX
+    assert 0 <= note.prefill_rank <= MAX_RANKS**3
     assert 1 <= note.writers <= MAX_RANKS and 0 <= note.writer < note.writers
     assert note.entries.dtype == np.int64 and note.entries.ndim == 1
     assert 1 <= note.entries.size <= MAX_ENTRIES
@@ -362,6 +366,7 @@ def mutated_frames(draw) -> list:
     note = staged(
         room=draw(st.integers(0, 2**64 - 1)),
         reservation_id=draw(st.integers(0, INT64_MAX)),
+        prefill_rank=draw(st.integers(0, MAX_RANKS**3)),
         writer=0,
         writers=draw(st.integers(1, 8)),
         entries=np.array(entries, dtype=np.int64),
@@ -414,6 +419,61 @@ def test_a_mutated_staged_note_parses_in_range_or_raises_frame_error(frames):
     except FrameError:
         return
     check_in_range(note)
+
+
+@pytest.mark.parametrize("rank", [b"", b"x", b"-1", str(MAX_RANKS**3 + 1).encode()])
+def test_a_staged_prefill_rank_out_of_range_is_refused(rank):
+    with pytest.raises(FrameError, match="^prefill_rank"):
+        Staged.from_frames(staged_frames(prefill_rank=rank))
+
+
+@pytest.mark.parametrize(
+    ("frames", "room"),
+    [
+        (staged_frames(writers=b"0"), 123456789),  # a damaged note still names its room
+        ([STAGED_TAG, b"41"], 41),
+        ([STAGED_TAG, b"x41", b"1"], None),
+        ([STAGED_TAG, "41"], None),  # not bytes: not from ZMQ
+        ([STAGED_TAG], None),
+        ([b"gpu_planner.staged/1", b"41"], None),  # another version's tag
+        ("not frames", None),
+    ],
+)
+def test_the_room_a_damaged_note_names(frames, room):
+    assert Staged.room_named(frames) == room
+
+
+# What a Success status declares
+
+
+STATUS = [b"41", b"4", b"0", b""]  # sglang's frames: room, status, rank, reason
+
+
+def test_a_declaration_round_trips_per_decode_session():
+    notes = {("127.0.0.1:1", 7): 3, ("127.0.0.1:2", 9): 0, ("127.0.0.1:1", 8): 1}
+    frames = STATUS + declared_frames(notes)
+    assert declared_notes(frames, "127.0.0.1:1") == {7: 3, 8: 1}
+    assert declared_notes(frames, "127.0.0.1:2") == {9: 0}
+    assert declared_notes(frames, "127.0.0.1:3") == {}  # it declares nothing toward this decode
+    assert declared_notes(STATUS, "127.0.0.1:1") is None  # a plain sglang prefill
+    assert declared_notes(STATUS[:3], "127.0.0.1:1") is None
+
+
+@pytest.mark.parametrize(
+    "tail",
+    [
+        [DECLARED_TAG],  # nothing after the tag
+        [DECLARED_TAG, b"127.0.0.1:1"],
+        [DECLARED_TAG, b"127.0.0.1:1", b"\x00" * 15],  # counts not whole pairs
+        [DECLARED_TAG, b"a\nb", b"\x00" * 16],  # two sessions, one pair
+        [DECLARED_TAG, b"s", (1 << 63).to_bytes(8, "little") + bytes(8)],  # id past 2**63
+        [DECLARED_TAG, b"s\ns", bytes(32)],  # one reservation declared twice
+        [*declared_frames({("s", 1): 1}), *declared_frames({("s", 2): 1})],  # the tag twice
+    ],
+)
+def test_a_malformed_declaration_is_refused(tail):
+    with pytest.raises(FrameError, match="declared"):
+        declared_notes(STATUS + tail, "s")
 
 
 # Where a writer's bytes go
