@@ -10,6 +10,7 @@ runs unchanged on it; `RecordingEngine` stands in for sglang's
 
 from __future__ import annotations
 
+import collections
 import threading
 from collections.abc import Sequence
 
@@ -142,4 +143,11 @@ def make_decode_manager(
     manager.defer_decode_allocation = False
     manager.deferred_bootstrap = None
     manager.failure_records, manager.failure_lock = {}, threading.Lock()
+    # What sglang's receivers (`CommonKVReceiver`: open, abort, waiting timeout, clear) and
+    # `update_status` read and write.
+    manager.addr_to_rooms_tracker = collections.defaultdict(set)
+    manager._deferred_ack_targets, manager._deferred_ack_poisoned_rooms = {}, set()
+    manager._staging_outstanding = collections.defaultdict(int)
+    manager.waiting_timeout = 300.0
+    manager.connection_lock, manager.connection_pool = threading.Lock(), {}
     return manager

@@ -40,6 +40,11 @@ def test_flags(monkeypatch, text, expected):
         (settings.BATCH_TIMEOUT_S, "nan"),
         (settings.BATCH_TIMEOUT_S, "0"),
         (settings.BATCH_TIMEOUT_S, "1e10"),
+        *(
+            (size, str(value))
+            for size in (settings.RECEIVE_STAGING_BYTES, settings.GATHER_STAGING_BYTES)
+            for value in (2**47 + 1, 2**63, 2**64, 10**30)  # past any address space
+        ),
     ],
 )
 def test_bad_values_name_the_variable(monkeypatch, setting, text):
@@ -66,3 +71,15 @@ def test_the_docs_table_is_the_modules():
     docs = (Path(__file__).parents[1] / "docs" / "settings.md").read_text()
     assert settings.markdown_table() in docs
     assert len(settings.SETTINGS) == len({setting.name for setting in settings.SETTINGS})
+
+
+@pytest.mark.parametrize("size", [settings.RECEIVE_STAGING_BYTES, settings.GATHER_STAGING_BYTES])
+def test_a_staging_size_too_large_to_allocate_is_refused_at_load(monkeypatch, size):
+    """At load, not at the first allocation: the plugin then registers no hook (one error)
+    instead of running with staging silently off, retried on every registration."""
+    monkeypatch.setenv(size.name, str(2**63))
+    with pytest.raises(settings.SettingError, match=size.name):
+        settings.load()
+    monkeypatch.setenv(size.name, str(settings.MAX_STAGING_BYTES))
+    settings.load()
+    assert settings.loaded(size) == 2**47

@@ -12,10 +12,8 @@ format's docstring describes.
 
 from __future__ import annotations
 
-import collections
 import gc
 import inspect
-from threading import Lock
 from types import SimpleNamespace
 
 import numpy as np
@@ -38,6 +36,7 @@ from gpu_planner.integration.sglang.staging_wire import (
     Reservation,
     Staged,
     declared_frames,
+    declared_notes,
 )
 
 PAGE_SIZE = 4
@@ -385,14 +384,20 @@ def test_a_region_the_engine_cannot_register_is_none(decodes):
     assert again is frames and len(decode.engine.calls) == 1
 
 
-def test_an_unexpected_error_leaves_the_registration_hook_as_sglangs_frames(decodes, monkeypatch):
+@pytest.mark.parametrize("error", [TypeError("'float' object cannot be interpreted"), OSError()])
+def test_an_allocation_error_of_any_type_is_no_region_and_not_retried(decodes, monkeypatch, error):
+    attempts = []
+
     def fail(nbytes, torch_device):
-        raise TypeError("a bug")
+        attempts.append(nbytes)
+        raise error
 
     monkeypatch.setattr(cuda_runtime(), "empty_bytes", fail)
     decode = decodes()
     frames, hooked = decode.advertise()  # no exception leaves the hook
     assert hooked is frames and decode.region is None
+    _, again = decode.advertise()  # remembered: no second try on the next registration
+    assert again == frames and attempts == [REGION_BYTES]
 
 
 # Reservations
@@ -519,10 +524,6 @@ def test_no_room_succeeds_without_its_bytes_and_every_part_comes_back(staging_by
     clock.value = 1000.0
     decode = Decode(seed=1)
     manager = decode.manager
-    manager.addr_to_rooms_tracker = collections.defaultdict(set)
-    manager._deferred_ack_targets, manager._deferred_ack_poisoned_rooms = {}, set()
-    manager._staging_outstanding = collections.defaultdict(int)
-    manager.waiting_timeout, manager.connection_lock, manager.connection_pool = 1.0, Lock(), {}
     rng = np.random.default_rng(7)
     try:
         decode.advertise()
@@ -604,7 +605,7 @@ def test_no_room_succeeds_without_its_bytes_and_every_part_comes_back(staging_by
             elif kind == "abort":
                 request.receiver.abort()
                 request.ended = True
-            elif kind == "timeout":  # opened long ago (init_time 0): past sglang's timeout
+            elif kind == "timeout":  # opened long ago (init_time 0): past sglang's 300 s
                 assert request.receiver._check_waiting_timeout() == KV_POLL_FAILED
                 request.ended = True
             elif kind == "clear":
@@ -1172,3 +1173,48 @@ def test_the_status_and_chunk_hooks_pass_an_unhashable_managers_calls_to_sglang(
     assert calls == [((manager,), {"bootstrap_room": 1, "status": 4, "prefill_rank": 0})]
     assert receive_staging.chunk_ready_hook(original, manager, [STAGED_TAG]) is True
     assert receive_staging.chunk_ready_hook(original, manager, [b"CHUNK_READY"]) == "sglang's"
+
+
+@pytest.mark.parametrize(
+    "where",
+    [
+        "a KV buffer's base",  # the region holds the first KV buffer's base
+        "inside a first page",  # the region starts inside a KV buffer's first page
+    ],
+)
+def test_a_region_overlapping_the_decodes_kv_is_ignored(prefill, where):
+    pool = Pool(ITEM_LENS, 0)
+    frames = registration_frames(pool)
+    address = pool.ptrs[0] - 256 if where == "a KV buffer's base" else pool.ptrs[1] + 8
+    info, ignored = registered(frames, Capability(address, 4096).frames())
+    assert info == REGISTRATION_FROM_ZMQ(conn.KVArgsRegisterInfo, frames)
+    assert ignored == 1 and SESSION not in staged_send._peers
+
+
+def test_a_prefills_success_declares_its_notes_per_lent_request(prefill):
+    """The prefill's status hook: a Success names, per decode session, each lent request of
+    the room and how many notes it sent; other statuses and unlent rooms are sglang's."""
+    from sglang_plugin_support import make_manager
+
+    registered(registration_frames(Pool(ITEM_LENS, 0)), CAPABILITY.frames())
+    reservation = Reservation(3, 4096, 10 * PAGE_BYTES, 10)
+    info, _ = parsed(transfer_message(77, distinct_pages(0, 10), reservation.frames()))
+    route, _ = staged_send.route_for(info.dst_kv_indices)
+    route.staged_notes = 2
+    manager = make_manager(None)
+    manager.transfer_infos = {77: {SESSION: info}}
+
+    def encode(room, status):
+        def original(manager, **kwargs):
+            return [str(room).encode(), str(status).encode(), b"0"]
+
+        return staged_send.status_message_hook(
+            original, manager, bootstrap_room=room, status=status, failure_reason=None
+        )
+
+    success = encode(77, KV_POLL_SUCCESS)
+    assert success[:4] == [b"77", b"4", b"0", b""]  # sglang reads an empty reason at frame 3
+    assert declared_notes(success, SESSION) == {3: 2}
+    assert declared_notes(success, "127.0.0.1:1") == {}
+    assert encode(77, KV_POLL_FAILED) == [b"77", b"0", b"0"]
+    assert encode(78, KV_POLL_SUCCESS) == [b"78", b"4", b"0"]  # no lent request: plain

@@ -162,8 +162,9 @@ class Deployment:
 
     def deliver(self, room: int, status: int = KV_POLL_SUCCESS) -> None:
         """The prefill's notes, then its status, through the decode's hooked handlers."""
-        for note in self.notes:
-            assert conn.MooncakeKVManager.handle_chunk_ready(self.decode, note) is True
+        for note in self.notes:  # as sglang's decode thread: a chunk message, else a status
+            if not conn.MooncakeKVManager.handle_chunk_ready(self.decode, note):
+                assert conn.MooncakeKVManager.parse_kv_status_message(self.decode, note) is None
         self.notes.clear()
         deliver_status(self.prefill, self.decode, room, status)
 
@@ -570,6 +571,90 @@ def test_pipeline_stages_send_direct_and_land_sglangs_bytes(deployments):
         reference.close()
         for prefill in stages:
             gathered.release_staging(prefill)
+
+
+@pytest.mark.parametrize("ending", ["abort", "waiting timeout", "clear"])
+def test_a_reused_room_lands_its_own_bytes_and_never_the_previous_requests(deployments, ending):
+    """sglang ends request 1 of a room by one of its paths that never reach a status (its
+    receiver's abort or waiting timeout, then its clear; or clear alone), then opens request
+    2 of the same room with as many pages: request 2 gets a part of its own, request 1's late
+    notes scatter nothing (its freed pages stay as they were), and request 2 ends Success
+    with exactly the bytes sglang's own send lands in its pages."""
+    deployment = deployments([256] * 8, 0, seed=50)
+    decode, room, num_pages = deployment.decode, 21, 16
+    rng = np.random.default_rng(51)
+    pages = fragmented(rng, 2 * num_pages)
+    first_pages, second_pages = pages[:num_pages], pages[num_pages:]
+    first_src, second_src = (fragmented(rng, num_pages, np.int64) for _ in range(2))
+    expected = deployment.sglang_bytes(second_src, second_pages, None)
+    region = receive_staging.existing_region(decode)
+
+    first = conn.MooncakeKVReceiver(decode, "127.0.0.1:8998", room)
+    first.init_time = 0.0  # its metadata went out long ago: past sglang's waiting timeout
+    first_info = deployment.request(room, first_pages, None)
+    first_route, _ = staged_send.route_for(first_info.dst_kv_indices[:])
+    assert deployment.send(first_info, first_src, slice(0, num_pages)) == 0
+    stale_notes, deployment.notes = deployment.notes, []
+    if ending == "abort":
+        first.abort()
+    elif ending == "waiting timeout":
+        assert first._check_waiting_timeout() == KV_POLL_FAILED
+    first.clear()
+    assert room not in decode.request_status and region.lent_rooms == 1  # quarantined
+
+    second = conn.MooncakeKVReceiver(decode, "127.0.0.1:8998", room)
+    second_info = deployment.request(room, second_pages, None)
+    second_route, _ = staged_send.route_for(second_info.dst_kv_indices[:])
+    assert second_route.reservation.reservation_id != first_route.reservation.reservation_id
+    assert second_route.reservation.offset != first_route.reservation.offset
+    dropped = counters.snapshot()["receive_staging_fallbacks"].get(
+        "staged note for no live lending", 0
+    )
+    for note in stale_notes:  # request 1's prefill, late
+        assert conn.MooncakeKVManager.handle_chunk_ready(decode, note) is True
+    assert counters.snapshot()["receive_staging_fallbacks"].get(
+        "staged note for no live lending", 0
+    ) == dropped + len(stale_notes)
+    assert not deployment.destination.tensor.numpy().any()  # nothing scattered anywhere
+    assert deployment.send(second_info, second_src, slice(0, num_pages)) == 0
+    deployment.deliver(room)
+    assert decode.request_status[room] == KV_POLL_SUCCESS
+    np.testing.assert_array_equal(deployment.destination.tensor.numpy(), expected)
+    second.clear()
+
+
+def damaged(note: list[bytes], damage: str) -> list[bytes]:
+    """A real note, damaged in transit."""
+    note = list(note)
+    if damage == "cut":
+        return note[:5]
+    if damage == "wrong tag":
+        return [b"gpu_planner.staget/2", *note[1:]]
+    if damage == "old version":
+        return [b"gpu_planner.staged/1", *note[1:]]
+    if damage == "device flags flipped":
+        note[7] = bytes(1 - flag for flag in note[7])
+        return note
+    raise AssertionError(damage)
+
+
+@pytest.mark.parametrize("damage", ["cut", "wrong tag", "old version", "device flags flipped"])
+def test_a_damaged_note_of_a_real_send_fails_its_request(deployments, damage):
+    """Whether the note no longer parses, is no note of ours (sglang drops it), or claims the
+    other HiSparse space for a buffer: the request fails, and no byte of the damaged chunk
+    is scattered."""
+    deployment = deployments([192] * 6 + [64] * 2, 2, seed=60)
+    rng = np.random.default_rng(61)
+    src_pages, host_pages = fragmented(rng, 32, np.int64), fragmented(rng, 32)
+    device_pages = fragmented(rng, 32)
+    info = deployment.request(17, host_pages, device_pages)
+    assert deployment.send(info, src_pages, slice(0, 32)) == 0
+    [note] = deployment.notes
+    deployment.notes = [damaged(note, damage)]
+    deployment.deliver(17)
+    assert deployment.decode.request_status[17] == KV_POLL_FAILED
+    assert deployment.decode.failure_records[17].startswith("gpu_planner:")
+    assert not deployment.destination.tensor.numpy().any()
 
 
 def test_two_thousand_sends_some_to_a_dead_region_leak_no_slot_part_or_memory(
