@@ -57,6 +57,8 @@ from gpu_planner.inputs import HOST
 from gpu_planner.integration.sglang.counters import record_receive_fallback, record_scatter
 from gpu_planner.integration.sglang.fallback import log_fallback_once
 from gpu_planner.integration.sglang.staging_wire import (
+    KV_POLL_FAILED,
+    KV_POLL_SUCCESS,
     STAGED_TAG,
     Capability,
     Reservation,
@@ -69,8 +71,6 @@ from gpu_planner.integration.sglang.staging_wire import (
 ALIGNMENT = 256  # bytes: every reservation starts as aligned as the region
 MAX_RESERVATIONS = 256  # lendings (lent and quarantined) at once: bounds the bookkeeping
 QUARANTINE_S = 120.0  # an ended lending's part waits this long: past sglang's transfer timeouts
-KV_POLL_SUCCESS = 4  # sglang's KVPoll.Success
-KV_POLL_FAILED = 0  # sglang's KVPoll.Failed
 HOST_BACKED_RATIO = 4  # sglang: HiSparse MLA layers of compression ratio 4 are host-backed
 
 

@@ -18,7 +18,10 @@ pages into the part (from sglang's executor, two slots at most: while one
 piece is on the wire the next is gathered), and once every piece's engine call
 succeeded, named to the decode in a `Staged` note on the socket sglang's
 status messages take (so the note arrives first); the decode scatters it into
-its pages before it counts the request's KV as arrived.
+its pages before it counts the request's KV as arrived. The rank's Success
+status declares how many notes it sent for each lent request
+(`status_message_hook`): every other chunk went direct, and a decode whose
+notes did not all arrive fails the request.
 
 Which request a send belongs to: sglang hands the send a slice of the
 `TransferInfo`'s destination pages; the slice's base array is the one the
@@ -52,6 +55,7 @@ from gpu_planner.integration.sglang.gathered import (
     staging_for,
 )
 from gpu_planner.integration.sglang.staging_wire import (
+    KV_POLL_SUCCESS,
     Capability,
     Reservation,
     Staged,
@@ -61,7 +65,6 @@ from gpu_planner.integration.sglang.staging_wire import (
 )
 from gpu_planner.layout import BufferLayout
 
-KV_POLL_SUCCESS = 4  # sglang's KVPoll.Success
 _peers: dict[str, Capability] = {}  # decode session -> its advertised region
 _routes: dict[int, Route] = {}  # id of a TransferInfo's page array -> its lent part
 _lock = threading.Lock()

@@ -60,6 +60,7 @@ SGLANG_METADATA_FRAMES = 10  # TransferInfo.from_zmq reads frames 0-9
 SGLANG_STATUS_FRAMES = 4  # parse_kv_status_message reads room, status, rank, reason
 STAGED_FRAMES = 9
 MAX_ENTRIES = 1 << 16  # decode KV buffers: far beyond any model
+KV_POLL_FAILED, KV_POLL_SUCCESS = 0, 4  # sglang's KVPoll values, as its status messages carry
 MAX_DECLARED = 1 << 10  # reservations one status declares: one per decode rank it concludes
 
 
