@@ -68,10 +68,35 @@ def check_pages(pages: np.ndarray, field: str) -> int:
     """The largest page of a 1-D integer array (-1 when empty); `OutOfRange` for a negative one."""
     if not pages.size:
         return -1
-    if int(pages.min()) < 0:
-        position = int(np.flatnonzero(pages < 0)[0])
-        raise OutOfRange(f"{field}[{position}] = {int(pages[position])}: a page index below 0")
-    return int(pages.max())
+    if pages.size <= SMALL_PAGES and pages.dtype.kind in "iu":
+        values = pages.tolist()
+        smallest, largest = min(values), max(values)
+    else:
+        smallest, largest = int(_smallest(pages)), None
+    if smallest < 0:
+        _raise_negative(pages, field)
+    return int(_largest(pages)) if largest is None else largest
+
+
+def check_no_negative(pages: np.ndarray, field: str) -> None:
+    """`OutOfRange` for a negative page of a 1-D integer array (`check_pages` without the max)."""
+    if not pages.size:
+        return
+    if pages.size <= SMALL_PAGES and pages.dtype.kind in "iu":
+        smallest = min(pages.tolist())
+    else:
+        smallest = int(_smallest(pages))
+    if smallest < 0:
+        _raise_negative(pages, field)
+
+
+SMALL_PAGES = 64  # up to this many pages, min and max of a list beat NumPy's reductions
+_smallest, _largest = np.minimum.reduce, np.maximum.reduce  # as ndarray.min/max, one call less
+
+
+def _raise_negative(pages: np.ndarray, field: str) -> None:
+    position = int(np.flatnonzero(pages < 0)[0])
+    raise OutOfRange(f"{field}[{position}] = {int(pages[position])}: a page index below 0")
 
 
 def check_head_slices(
@@ -124,17 +149,18 @@ def check_sources(
     """
     if max_page < 0 or not len(ptrs):
         return
-    ptr_array = np.asarray(ptrs, dtype=np.int64)
+    registered = registration(kv_args)
+    try:  # tuples and ints: the limit is kept per layout and registration
+        limit = _kept_limit(registered, ptrs, page_lens, last_offsets, read_lens)
+    except TypeError:  # arrays (not hashable): computed for this call
+        limit = int(_source_limits(registered, ptrs, page_lens, last_offsets, read_lens)[2].min())
+    if max_page <= limit:
+        return
+    ptr_array, room, limits = _source_limits(registered, ptrs, page_lens, last_offsets, read_lens)
+    fits = max_page <= limits
     page_lens, last_offsets, read_lens = (
         np.asarray(values, dtype=np.int64) for values in (page_lens, last_offsets, read_lens)
     )
-    room = registered_room(kv_args, ptr_array)
-    # Room left for max_page * page_len; < 0 exactly where the last read does not fit.
-    room_after_last = np.maximum(np.maximum(room, -1) - last_offsets, -1) - read_lens
-    whole_pages = np.where(page_lens > 0, room_after_last // np.maximum(page_lens, 1), INT64_MAX)
-    fits = (read_lens == 0) | ((room_after_last >= 0) & (max_page <= whole_pages))
-    if fits.all():
-        return
     bad = int(np.flatnonzero(~fits)[0])
     page_len, last_offset, read_len = (
         int(np.broadcast_to(values, ptr_array.shape)[bad])
@@ -153,21 +179,64 @@ def check_sources(
     )
 
 
+@settings.sized_cache(settings.LAYOUT_CACHE_SIZE)
+def _kept_limit(
+    registered: tuple[tuple[int, ...], tuple[int, ...]],
+    ptrs: Sequence[int],
+    page_lens: Sequence[int] | int,
+    last_offsets: Sequence[int] | int,
+    read_lens: Sequence[int] | int,
+) -> int:
+    """The largest `max_page` every buffer fits (`_source_limits`), kept for hashable values."""
+    return int(_source_limits(registered, ptrs, page_lens, last_offsets, read_lens)[2].min())
+
+
+def _source_limits(
+    registered: tuple[tuple[int, ...], tuple[int, ...]],
+    ptrs: Sequence[int],
+    page_lens: Sequence[int] | np.ndarray | int,
+    last_offsets: Sequence[int] | np.ndarray | int,
+    read_lens: Sequence[int] | np.ndarray | int,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(ptrs, registered room, largest `max_page` that fits) per buffer, as int64 arrays.
+
+    Buffer `b` fits `max_page >= 0` exactly when `max_page <= limits[b]`:
+    `INT64_MAX` where it reads nothing, -1 where not even page 0 fits.
+    """
+    ptr_array = np.asarray(ptrs, dtype=np.int64)
+    page_lens, last_offsets, read_lens = (
+        np.asarray(values, dtype=np.int64) for values in (page_lens, last_offsets, read_lens)
+    )
+    room = _room(_regions(*registered), ptr_array)
+    # Room left for max_page * page_len; < 0 exactly where the last read does not fit.
+    room_after_last = np.maximum(np.maximum(room, -1) - last_offsets, -1) - read_lens
+    whole_pages = np.where(page_lens > 0, room_after_last // np.maximum(page_lens, 1), INT64_MAX)
+    limits = np.where(read_lens == 0, INT64_MAX, np.where(room_after_last >= 0, whole_pages, -1))
+    return ptr_array, room, np.broadcast_to(limits, ptr_array.shape)
+
+
 def registered_room(kv_args: Any, ptrs: np.ndarray) -> np.ndarray:
     """Bytes from each pointer (int64) to the end of a registered region holding it; <= 0: none."""
-    starts, reach = _registered_regions(kv_args)
+    return _room(_regions(*registration(kv_args)), ptrs)
+
+
+def _room(regions: tuple[np.ndarray, np.ndarray], ptrs: np.ndarray) -> np.ndarray:
+    starts, reach = regions
     holder = np.searchsorted(starts, ptrs, side="right") - 1  # >= 0: the sentinel
     return reach[holder] - ptrs
 
 
-def _registered_regions(kv_args: Any) -> tuple[np.ndarray, np.ndarray]:
-    """(starts, reach) of the prefill's registered KV and state buffers, sorted by start.
+def registration(kv_args: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(pointers, lengths) of the buffers the prefill registered, paired as sglang pairs them.
 
-    `reach[i]` is the furthest end of the regions starting at or before
-    `starts[i]`: a range from `ptr` is inside one region when the reach of the
-    last start <= `ptr` is at least its end.
+    All that `registered_room` reads of `kv_args`: a key for what is built from it.
     """
-    lists = [(getattr(kv_args, "kv_data_ptrs", None), getattr(kv_args, "kv_data_lens", None))]
+    kv_ptrs = getattr(kv_args, "kv_data_ptrs", None) or ()
+    kv_lens = getattr(kv_args, "kv_data_lens", None) or ()
+    state_ptrs = getattr(kv_args, "state_data_ptrs", None)
+    if not state_ptrs and len(kv_ptrs) == len(kv_lens):  # KV buffers only (as sends meet it)
+        return tuple(kv_ptrs), tuple(kv_lens)
+    lists = [(kv_ptrs, kv_lens)]
     lists += zip(
         getattr(kv_args, "state_data_ptrs", None) or [],
         getattr(kv_args, "state_data_lens", None) or [],
@@ -182,15 +251,20 @@ def _registered_regions(kv_args: Any) -> tuple[np.ndarray, np.ndarray]:
         count = min(len(list_ptrs), len(list_lens))
         ptrs += list_ptrs[:count]
         lens += list_lens[:count]
-    return _regions(tuple(ptrs), tuple(lens))
+    return tuple(ptrs), tuple(lens)
 
 
 @settings.sized_cache(settings.LAYOUT_CACHE_SIZE)
 def _regions(ptrs: tuple[int, ...], lens: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
-    """Built once per registration (it does not change while the manager lives)."""
+    """(starts, reach) of the registered buffers, sorted by start; built once per registration.
+
+    `reach[i]` is the furthest end of the regions starting at or before
+    `starts[i]`: a range from `ptr` is inside one region when the reach of the
+    last start <= `ptr` is at least its end.
+    """
     regions = sorted(
         (int(ptr), min(int(ptr) + int(length), INT64_MAX))
-        for ptr, length in zip(ptrs, lens, strict=True)  # paired by `_registered_regions`
+        for ptr, length in zip(ptrs, lens, strict=True)  # paired by `registration`
         if length > 0 and 0 <= ptr <= INT64_MAX
     )
     # A sentinel region before every address (reach -1) holds nothing.

@@ -10,11 +10,16 @@ run grouping and descriptor expansion.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import functools
+import threading
+from collections.abc import Callable
 from typing import Any
 
 from sglang.srt.disaggregation.mooncake import conn
 
+from gpu_planner import settings
 from gpu_planner.integration.sglang.fallback import Failed
 
 Entry = tuple[int, int, int]
@@ -46,19 +51,199 @@ class SendCall:
     bootstrap_room: int | None = None
 
 
-def transfer_entries(manager: conn.MooncakeKVManager, call: SendCall) -> list[Entry]:
+@dataclasses.dataclass(eq=False)
+class Entries:
+    """sglang's entries for one peer layout, as columns, and what the hooks built from them.
+
+    One object serves every send with the same `layout_key` (read it, never
+    change it): `derived` holds what a hook builds from the entries once per
+    layout, under keys of its own (a few per layout, `derive` bounds them).
+    """
+
+    entries: tuple[Entry, ...]
+    src_ptrs: tuple[int, ...]
+    dst_ptrs: tuple[int, ...]
+    item_lens: tuple[int, ...]
+    strides_checked: bool = False  # sglang's stride check passed for these values
+    derived: dict[Any, Any] = dataclasses.field(default_factory=dict)
+
+    @classmethod
+    def of(cls, entries: list[Entry], strides_checked: bool = False) -> Entries:
+        columns = tuple(zip(*entries, strict=True)) or ((), (), ())
+        return cls(tuple(entries), *columns, strides_checked=strides_checked)
+
+    def derive(self, key: Any, build: Callable[[], Any]) -> Any:
+        """`derived[key]`, built by `build()` the first time (at most `MAX_DERIVED` kept)."""
+        found = self.derived.get(key)
+        if found is None:
+            found = build()
+            if len(self.derived) >= MAX_DERIVED:
+                self.derived.clear()
+            self.derived[key] = found
+        return found
+
+
+MAX_DERIVED = 8  # values a hook derives from one layout's entries (per device-buffer set)
+
+# The manager's helpers that map a send's entries. Entries are cached only where each is
+# sglang's own: then the mapping reads no more of the manager than these fields (and
+# `kv_args.mla_compression_ratios`), all part of `layout_key`.
+_MAPPING_HELPERS = (
+    "get_mla_kv_ptrs_with_pp",
+    "get_mha_kv_ptrs_with_pp",
+    "_mla_kv_entry_span_with_pp",
+    "_mla_slice_ptrs_for_pp",
+    "_state_stride_mismatch",
+)
+_MISSING = object()  # a field the manager lacks (the mapping raises where it reads one)
+
+
+class _EntriesCache:
+    """`Entries` by `layout_key`, at most `GPU_PLANNER_LAYOUT_CACHE_SIZE`, least recent dropped."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._kept: collections.OrderedDict[tuple, Entries] = collections.OrderedDict()
+        self._generation = -1
+
+    def get(self, key: tuple) -> Entries | None:
+        with self._lock:
+            found = self._kept.get(key)
+            if found is not None:
+                self._kept.move_to_end(key)
+            return found
+
+    def keep(self, key: tuple, entries: Entries) -> None:
+        size = settings.loaded(settings.LAYOUT_CACHE_SIZE)
+        generation = settings.generation()
+        with self._lock:
+            if generation != self._generation:  # reloaded knobs: rebuilt, as `sized_cache` does
+                self._kept.clear()
+                self._generation = generation
+            self._kept[key] = entries
+            while len(self._kept) > size:
+                self._kept.popitem(last=False)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._kept.clear()
+
+    def __len__(self) -> int:
+        return len(self._kept)
+
+
+_cache = _EntriesCache()
+
+
+def transfer_entries(manager: conn.MooncakeKVManager, call: SendCall) -> Entries:
     """sglang's per-buffer entries for `call`; `Failed` where sglang returns before transferring.
 
+    Built once per peer layout (`layout_key`) and kept; sglang's stride check
+    runs where sglang would run it, until it passed once for these values.
     Side effects are sglang's own, logged by sglang's logger: a stride mismatch
     logs, concludes the room as failed and fails with -1; an out-of-range MHA
     stage logs and fails with -1.
     """
-    mismatch = _state_stride_mismatch(manager, call)
+    stride_check = needs_stride_check(manager, call)
+    try:
+        key = layout_key(manager, call)
+        found = None if key is None else _cache.get(key)
+    except TypeError:  # a value that is not hashable: mapped for this send only
+        key = found = None
+    if found is not None:
+        if stride_check and not found.strides_checked:
+            check_state_strides(manager, call)
+            found.strides_checked = True
+        return found
+    if stride_check:
+        check_state_strides(manager, call)
+    entries = Entries.of(mapped_entries(manager, call), strides_checked=stride_check)
+    if key is not None:
+        _cache.keep(key, entries)
+    return entries
+
+
+def forget_entries() -> None:
+    """Drop every kept peer layout's entries (tests)."""
+    _cache.clear()
+
+
+def layout_key(manager: conn.MooncakeKVManager, call: SendCall) -> tuple | None:
+    """Every value `mapped_entries(manager, call)` and the stride check depend on, hashable.
+
+    The call's buffer lists, layer ids and flags, and the manager fields
+    sglang's mapping helpers read (backend, pipeline stage, compressed-MLA
+    ratios, draft entries). None where the manager has a helper of its own (a
+    subclass or an instance attribute): its entries are not kept. Raises
+    `TypeError` for a value that is not hashable.
+    """
+    own = getattr(manager, "__dict__", {})
+    if not _own_helpers(type(manager)) or any(name in own for name in _MAPPING_HELPERS):
+        return None
+    kv_args = manager.kv_args
+    ratios = getattr(kv_args, "mla_compression_ratios", None)
+    return (
+        type(manager),
+        getattr(manager, "is_mla_backend", _MISSING),
+        getattr(manager, "is_hybrid_mla_backend", _MISSING),
+        getattr(manager, "pp_size", _MISSING),
+        getattr(kv_args, "prefill_start_layer", _MISSING),
+        getattr(kv_args, "prefill_end_layer", _MISSING),
+        getattr(kv_args, "num_draft_entries", _MISSING),
+        None if ratios is None else tuple(ratios),
+        tuple(call.src_data_ptrs),
+        tuple(call.dst_data_ptrs),
+        tuple(call.item_lens),
+        call.state_type,
+        call.force_flat,
+        _frozen(call.src_layer_ids),
+        _frozen(call.dst_layer_ids),
+        _frozen(call.dst_item_lens),
+    )
+
+
+@functools.lru_cache(maxsize=64)
+def _own_helpers(manager_type: type) -> bool:
+    """Whether `manager_type` maps entries with sglang's own helpers."""
+    return all(
+        getattr(manager_type, name, None) is getattr(conn.MooncakeKVManager, name)
+        for name in _MAPPING_HELPERS
+    )
+
+
+def _frozen(values: Any) -> tuple | None:
+    return None if values is None else tuple(values)
+
+
+def needs_stride_check(manager: conn.MooncakeKVManager, call: SendCall) -> bool:
+    """Whether sglang checks this send's state strides (not once registration validated them)."""
+    return (
+        call.dst_item_lens is not None
+        and call.mooncake_session_id not in manager.state_strides_validated
+    )
+
+
+def check_state_strides(manager: conn.MooncakeKVManager, call: SendCall) -> None:
+    """sglang's per-send stride check: on a mismatch, its log, its failed room and `Failed(-1)`."""
+    mismatch = manager._state_stride_mismatch(
+        src_data_ptrs=call.src_data_ptrs,
+        dst_data_ptrs=call.dst_data_ptrs,
+        item_lens=call.item_lens,
+        dst_item_lens=call.dst_item_lens,
+        state_type=call.state_type,
+        force_flat=call.force_flat,
+        src_layer_ids=call.src_layer_ids,
+        dst_layer_ids=call.dst_layer_ids,
+    )
     if mismatch is not None:
         assert call.bootstrap_room is not None
         conn.logger.error(mismatch)
         manager.conclude_failure(bootstrap_room=call.bootstrap_room, failure_reason=mismatch)
         raise Failed(-1)
+
+
+def mapped_entries(manager: conn.MooncakeKVManager, call: SendCall) -> list[Entry]:
+    """sglang's mapping of prefill buffers to decode buffers, its stride check aside."""
     has_layer_ids = bool(call.src_layer_ids or call.dst_layer_ids)
     is_flat = conn._uses_flat_entry_layout(
         mla_backend=manager.is_mla_backend or manager.is_hybrid_mla_backend,
@@ -73,22 +258,6 @@ def transfer_entries(manager: conn.MooncakeKVManager, call: SendCall) -> list[En
     if has_layer_ids:
         return _paired_entries(manager, call)
     return _positional_flat_entries(manager, call)
-
-
-def _state_stride_mismatch(manager: conn.MooncakeKVManager, call: SendCall) -> str | None:
-    """The manager's stride check, skipped once registration validated this peer."""
-    if call.dst_item_lens is None or call.mooncake_session_id in manager.state_strides_validated:
-        return None
-    return manager._state_stride_mismatch(
-        src_data_ptrs=call.src_data_ptrs,
-        dst_data_ptrs=call.dst_data_ptrs,
-        item_lens=call.item_lens,
-        dst_item_lens=call.dst_item_lens,
-        state_type=call.state_type,
-        force_flat=call.force_flat,
-        src_layer_ids=call.src_layer_ids,
-        dst_layer_ids=call.dst_layer_ids,
-    )
 
 
 def _is_elided(call: SendCall, src_len: int, dst_lens: list[int] | None, dst_index: int) -> bool:

@@ -20,11 +20,11 @@ import numpy as np
 from sglang.srt.disaggregation.mooncake import conn
 
 import gpu_planner as gp
-from gpu_planner import settings
+from gpu_planner.integration.mooncake import handoff
 from gpu_planner.integration.sglang import bounds
 from gpu_planner.integration.sglang.adapter import check_manager, sglang_handoff
 from gpu_planner.integration.sglang.counters import record_send
-from gpu_planner.integration.sglang.entries import Entry, SendCall, transfer_entries
+from gpu_planner.integration.sglang.entries import Entries, Entry, SendCall, transfer_entries
 from gpu_planner.integration.sglang.fallback import Fallback, current_send
 from gpu_planner.integration.sglang.layer_calls import submit_in_order
 from gpu_planner.integration.sglang.staged_send import StagedEntries, send_staged
@@ -41,19 +41,20 @@ def send_kvcache_generic_hook(manager: conn.MooncakeKVManager, *args, **kwargs) 
     entries = transfer_entries(manager, call)
     started = time.perf_counter()
     try:
-        plan = _plan(manager, call, entries)
+        planned = _plan(manager, call, entries)
     except bounds.OutOfRange as error:
         return bounds.refuse(call.mooncake_session_id, error)
     except gp.PlanValidationError as error:
         raise Fallback(f"the planner rejected a send ({error})", key="planner rejected") from None
-    if plan is None:
+    if planned is None:
         return 0
+    plan, buffers = planned
     staged_status = send_staged(
         manager,
         call.mooncake_session_id,
         call.prefill_data_indices,
         call.dst_data_indices,
-        StagedEntries.of_plan(plan.layout, call.dst_device_data_ptrs),
+        buffers.staged_entries(call.dst_device_data_ptrs),
         plan.num_descriptors,
         call.executor,
     )
@@ -61,11 +62,12 @@ def send_kvcache_generic_hook(manager: conn.MooncakeKVManager, *args, **kwargs) 
         return staged_status
     plan_seconds = time.perf_counter() - started
     engine_handoff = sglang_handoff(manager.engine)
+    num_descriptors = plan.num_descriptors
     record_send(
         "generic",
         engine_handoff.form,
-        plan.num_descriptors,
-        plan.total_bytes,
+        num_descriptors,
+        call.prefill_data_indices.size * buffers.page_bytes,  # `plan.total_bytes`, in O(1)
         plan_seconds,
         plan.layout.num_buffers,
         plan.num_batches,
@@ -81,6 +83,9 @@ def send_kvcache_generic_hook(manager: conn.MooncakeKVManager, *args, **kwargs) 
         futures = current_send().futures
         submit_in_order(call.executor, len(pieces), send_piece, futures)
         return manager._await_transfer_futures(futures)
+    if plan.num_batches == 1 and num_descriptors and engine_handoff.form == handoff.ARRAYS:
+        srcs, dsts, lens = plan.columns_array()[:, :num_descriptors]  # the one piece's views
+        return engine_handoff.call(session, srcs, dsts, lens)
     for piece in engine_handoff.pieces(plan):
         status = engine_handoff.call(session, piece.srcs, piece.dsts, piece.lens)
         if status != 0:
@@ -88,16 +93,75 @@ def send_kvcache_generic_hook(manager: conn.MooncakeKVManager, *args, **kwargs) 
     return 0
 
 
-@settings.sized_cache(settings.LAYOUT_CACHE_SIZE)
-def _layout(
-    src_ptrs: tuple[int, ...],
-    dst_ptrs: tuple[int, ...],
-    item_lens: tuple[int, ...],
-    dst_is_device: tuple[bool, ...] | None,
-) -> gp.BufferLayout:
-    """The (validated, read-only) layout of these buffers: sglang sends to one peer's
-    buffers again and again, so each layout is built once."""
-    return gp.BufferLayout(src_ptrs, dst_ptrs, item_lens, dst_is_device=dst_is_device)
+class PlannedBuffers:
+    """The buffers that sends to one peer layout plan when the same page lists are empty.
+
+    A destination space with an empty page list has no runs, so which buffers
+    a send plans depends on which of its page lists have pages
+    (`PeerBuffers.planned`). What is here is per buffer, built once, the same
+    for every such send: the columns the bounds check reads, the layout, the
+    staged send's entries.
+    """
+
+    def __init__(self, entries: list[Entry], is_device: tuple[bool, ...] | None) -> None:
+        self.src_ptrs, self.dst_ptrs, self.item_lens = zip(*entries, strict=True)
+        self.is_device = is_device  # None: every buffer planned against one page list
+        # Each buffer's runs cover every page once: a send's bytes are its pages times this.
+        self.page_bytes = sum(int(item_len) for item_len in self.item_lens)
+        self._layout: gp.BufferLayout | None = None
+        self._staged: StagedEntries | None = None
+
+    def layout(self) -> gp.BufferLayout:
+        """The (validated, read-only) layout; `PlanValidationError` every time it is invalid."""
+        if self._layout is None:
+            self._layout = gp.BufferLayout(
+                self.src_ptrs, self.dst_ptrs, self.item_lens, dst_is_device=self.is_device
+            )
+        return self._layout
+
+    def staged_entries(self, dst_device_ptrs: set[int] | None) -> StagedEntries:
+        """These buffers as the staged send takes them (`dst_device_ptrs`: the peer's, as keyed)."""
+        if self._staged is None:
+            self._staged = StagedEntries.of_plan(self.layout(), dst_device_ptrs)
+        return self._staged
+
+
+class PeerBuffers:
+    """One peer layout's entries with their destination spaces, and what its sends plan."""
+
+    def __init__(self, entries: Entries, dst_device_ptrs: set[int] | None) -> None:
+        self.entries = entries.entries
+        self.is_device = tuple(
+            bool(dst_device_ptrs) and int(dst) in dst_device_ptrs for dst in entries.dst_ptrs
+        )
+        self.any_device = any(self.is_device)
+        self._planned: dict[tuple[bool, bool], PlannedBuffers | None] = {}
+
+    def planned(self, host_live: bool, device_live: bool) -> PlannedBuffers | None:
+        """The buffers a send plans when only the live spaces have pages; None: no buffer."""
+        key = (host_live, device_live)
+        if key not in self._planned:
+            self._planned[key] = self._select(host_live, device_live)
+        return self._planned[key]
+
+    def _select(self, host_live: bool, device_live: bool) -> PlannedBuffers | None:
+        kept = [
+            (entry, device)
+            for entry, device in zip(self.entries, self.is_device, strict=True)
+            if (device and device_live) or (not device and host_live)
+        ]
+        if not kept:
+            return None
+        # Host pages live: each buffer by its space. Else every kept buffer is
+        # device-backed: planned against the device pages, as the only space.
+        is_device = tuple(device for _, device in kept) if host_live else None
+        return PlannedBuffers([entry for entry, _ in kept], is_device)
+
+
+def _peer_buffers(entries: Entries, dst_device_ptrs: set[int] | None) -> PeerBuffers:
+    """`entries` with the destination spaces of `dst_device_ptrs`, built once per peer layout."""
+    key = frozenset(dst_device_ptrs) if dst_device_ptrs else None
+    return entries.derive(("generic", key), lambda: PeerBuffers(entries, dst_device_ptrs))
 
 
 def _check_bounds(
@@ -111,9 +175,9 @@ def _check_bounds(
     """Every page >= 0 and every source buffer's pages inside the prefill's registered memory."""
     max_page = bounds.check_pages(call.prefill_data_indices, "prefill_data_indices")
     if host_live:
-        bounds.check_pages(call.dst_data_indices, "dst_data_indices")
+        bounds.check_no_negative(call.dst_data_indices, "dst_data_indices")
     if device_live:
-        bounds.check_pages(call.dst_device_data_indices, "dst_device_data_indices")
+        bounds.check_no_negative(call.dst_device_data_indices, "dst_device_data_indices")
     bounds.check_sources(
         manager.kv_args, src_ptrs, max_page, item_lens, 0, item_lens, "prefill_data_indices"
     )
@@ -126,21 +190,20 @@ def _uses_per_layer_futures(manager: conn.MooncakeKVManager) -> bool:
 
 def _check_supported(call: SendCall) -> None:
     """`Fallback` where the original must run (it raises or asserts on these inputs)."""
-    pages = (call.prefill_data_indices, call.dst_data_indices)
-    if call.dst_device_data_indices is not None:
-        pages += (call.dst_device_data_indices,)
-    if not all(isinstance(p, np.ndarray) and p.ndim == 1 for p in pages):
+    src, device = call.prefill_data_indices, call.dst_device_data_indices
+    pages = (src, call.dst_data_indices) if device is None else (src, call.dst_data_indices, device)
+    if not all([isinstance(p, np.ndarray) and p.ndim == 1 for p in pages]):
         raise Fallback("page indices are not 1-D NumPy arrays")
-    src_size = call.prefill_data_indices.size
-    if any(p.size not in (0, src_size) for p in pages) and src_size:
+    src_size = src.size
+    if src_size and not all([p.size in (0, src_size) for p in pages]):
         raise Fallback("page lists of unequal lengths")
     if call.dst_device_data_ptrs and call.dst_device_data_indices is None:
         raise Fallback("device destination buffers without device page indices")
 
 
 def _plan(
-    manager: conn.MooncakeKVManager, call: SendCall, entries: list[Entry]
-) -> gp.TransferPlan | None:
+    manager: conn.MooncakeKVManager, call: SendCall, entries: Entries
+) -> tuple[gp.TransferPlan, PlannedBuffers] | None:
     """Plan `entries` as sglang would transfer them; None when no descriptor results.
 
     A destination space with an empty page list has no runs (sglang's
@@ -149,32 +212,24 @@ def _plan(
     `bounds.OutOfRange` for pages or buffers out of range (`_check_bounds`).
     """
     src_pages = call.prefill_data_indices
-    device_ptrs = call.dst_device_data_ptrs
-    is_device = [bool(device_ptrs) and int(dst) in device_ptrs for _, dst, _ in entries]
+    peer = _peer_buffers(entries, call.dst_device_data_ptrs)
     host_live = src_pages.size > 0 and call.dst_data_indices.size > 0
-    device_live = src_pages.size > 0 and any(is_device) and call.dst_device_data_indices.size > 0
-    kept = [
-        (entry, device)
-        for entry, device in zip(entries, is_device, strict=True)
-        if (device and device_live) or (not device and host_live)
-    ]
-    if not kept:
+    device_live = src_pages.size > 0 and peer.any_device and call.dst_device_data_indices.size > 0
+    buffers = peer.planned(host_live, device_live)
+    if buffers is None:
         return None
-    src_ptrs, dst_ptrs, item_lens = zip(*(entry for entry, _ in kept), strict=True)
-    kept_is_device = tuple(device for _, device in kept)
-    _check_bounds(manager, call, src_ptrs, item_lens, host_live, device_live)
+    _check_bounds(manager, call, buffers.src_ptrs, buffers.item_lens, host_live, device_live)
     if host_live:
         dst_pages = call.dst_data_indices
         device_pages = call.dst_device_data_indices if device_live else None
     else:
-        # Every kept buffer is device-backed: plan them against the device pages.
-        dst_pages, device_pages, kept_is_device = call.dst_device_data_indices, None, None
-    layout = _layout(src_ptrs, dst_ptrs, item_lens, kept_is_device)
+        dst_pages, device_pages = call.dst_device_data_indices, None
     max_batch_pages = 0 if _uses_per_layer_futures(manager) else manager.max_transfer_batch_indices
-    return gp.plan_transfer(
+    plan = gp.plan_transfer(
         src_pages,
         dst_pages,
-        layout,
+        buffers.layout(),
         dst_device_pages=device_pages,
         max_batch_pages=max(max_batch_pages, 0),
     )
+    return plan, buffers
