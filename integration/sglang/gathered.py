@@ -278,6 +278,7 @@ def send_gathered(
             layout.num_layers,
             len(chunks),
         )
+        executor = piece_executor(executor, len(chunks))
         for chunk, (offsets, dsts, lens) in zip(chunks, columns, strict=True):
             slot = lease.next_slot()  # may wait for this send's own call
             if slot is None:
@@ -286,6 +287,34 @@ def send_gathered(
             srcs = offsets + staging.slot(slot).data_ptr()
             lease.write(slot, executor, engine_handoff, session, ready, (srcs, dsts, lens))
         return manager._await_transfer_futures(futures)  # slots of ended calls back on return
+
+
+class InlineExecutor(concurrent.futures.Executor):
+    """Runs each call at once on the calling thread, its outcome in a done future.
+
+    A send of one piece has nothing to overlap: handing its call to sglang's
+    executor only adds a thread switch (and, while this thread holds the GIL,
+    up to a switch interval of waiting) to every small send.
+    """
+
+    def submit(self, fn: Callable, /, *args: Any, **kwargs: Any) -> concurrent.futures.Future:
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        future.set_running_or_notify_cancel()
+        try:
+            future.set_result(fn(*args, **kwargs))
+        except Exception as error:  # as a pool's worker keeps it: the caller awaits the future
+            future.set_exception(error)
+        return future
+
+
+def piece_executor(
+    executor: concurrent.futures.Executor, pieces: int
+) -> concurrent.futures.Executor:
+    """Where a send's piece calls run: sglang's executor to overlap several, inline for one."""
+    return executor if pieces > 1 else INLINE
+
+
+INLINE = InlineExecutor()
 
 
 class SlotLease:

@@ -52,6 +52,7 @@ from gpu_planner.integration.sglang.gathered import (
     Chunk,
     SlotLease,
     gather_into_slot,
+    piece_executor,
     staging_for,
 )
 from gpu_planner.integration.sglang.staging_wire import (
@@ -302,18 +303,7 @@ def send_staged(
     src_lens = bounds.registered_room(manager.kv_args, entries.src_ptrs)
     if (src_lens < 0).any():
         return _not_staged("a source buffer outside the prefill's registered memory")
-    gather_layout = HeadSliceLayout.build(
-        src_ptrs=entries.src_ptrs,
-        dst_ptrs=np.zeros_like(entries.src_ptrs),
-        page_size=1,
-        src_page_lens=page_lens,
-        dst_page_lens=page_lens,
-        src_token_lens=page_lens,
-        dst_token_lens=page_lens,
-        src_head_offsets=0,
-        dst_head_offsets=0,
-        slice_lens=page_lens,
-    )  # fmt: skip: whole pages, buffer-major, as the decode scatters them
+    gather_layout = _gather_layout(tuple(entries.src_ptrs.tolist()), tuple(page_lens.tolist()))
     engine_handoff = sglang_handoff(manager.engine)
     first_slot = staging.try_take()
     if first_slot is None:
@@ -325,6 +315,7 @@ def send_staged(
         for first in range(0, num_pages, pages_per_slot)
     ]
     futures = current_send().futures
+    executor = piece_executor(executor, len(chunks))
     with SlotLease(staging, first_slot, futures) as lease:  # whatever raises, slots go back
         record_send(
             "staged", engine_handoff.form, len(chunks), num_pages * chunk_page_bytes,
@@ -362,6 +353,25 @@ def send_staged(
     with _lock:
         route.staged_notes += 1
     return 0
+
+
+@settings.sized_cache(settings.LAYOUT_CACHE_SIZE)
+def _gather_layout(src_ptrs: tuple[int, ...], page_lens: tuple[int, ...]) -> HeadSliceLayout:
+    """Whole source pages of every buffer, buffer-major, as the decode scatters them: the same
+    for every send of these buffers, so each is built (and validated) once."""
+    lens = np.asarray(page_lens, dtype=np.int64)
+    return HeadSliceLayout.build(
+        src_ptrs=np.asarray(src_ptrs, dtype=np.int64),
+        dst_ptrs=np.zeros(len(src_ptrs), dtype=np.int64),
+        page_size=1,
+        src_page_lens=lens,
+        dst_page_lens=lens,
+        src_token_lens=lens,
+        dst_token_lens=lens,
+        src_head_offsets=0,
+        dst_head_offsets=0,
+        slice_lens=lens,
+    )
 
 
 def _below_gate(descriptors: int, nbytes: int) -> str | None:
