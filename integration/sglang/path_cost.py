@@ -32,8 +32,11 @@ observation off its price by a factor q weighs 1/q of an ordinary one, so one
 send's pull on a figure is at most an ordinary send's share whatever its time
 (a stall, a sample of a bimodal wire), while a lasting change is learned
 within tens of sends.
-The solved figures are clamped to physical ranges. Only successful sends
-update (`observe(..., ok=False)` changes nothing), one peer's sends touch only
+The solved figures are clamped to physical ranges. A peer's first send of
+each path is not learned from (it pays Mooncake's connection to the peer and
+first-use costs: one such send once moved the staged price of a test's peer
+from 4.9 to 15.6 ms). Only successful sends update (`observe(..., ok=False)`
+changes nothing), one peer's sends touch only
 that peer's figures, and at most `MAX_PEERS` peers are kept (least recently
 used dropped; a peer seen again starts from the seeds). Memory: a few hundred
 floats per peer, whatever the number of sends.
@@ -260,12 +263,13 @@ PASSES_GATE = "passes the gate (GPU_PLANNER_STAGING_* set)"
 class _Peer:
     """One peer's learning state: fixed size, whatever the number of its sends."""
 
-    __slots__ = ("moments", "targets", "sends", "since", "figures", "stale")
+    __slots__ = ("moments", "targets", "sends", "warm", "since", "figures", "stale")
 
     def __init__(self, seeds: Figures) -> None:
         self.moments = np.zeros((len(PATHS), _LEARNED, _LEARNED))  # per path: sum of w z z^T
         self.targets = np.zeros((len(PATHS), _LEARNED))  # per path: sum of w z y
         self.sends = [0, 0]  # successful sends observed, by path
+        self.warm = [False, False]  # a first send of the path came (and was not learned from)
         self.since = [0, 0]  # choices since each path was last chosen (capped at the interval)
         self.figures = seeds  # the last solved figures
         self.stale = False  # an observation came since they were solved
@@ -361,6 +365,9 @@ class PathCosts:
         )  # each term's price at the seeds' scale: the fit solves for figure / scale
         with self._lock:
             state = self._peer(peer)
+            if not state.warm[index]:  # it paid the peer's connection and first-use costs
+                state.warm[index] = True
+                return False
             predicted = state.figures.send_s(path, requests, nbytes)  # solved at the last choice
             predicted = max(predicted, 1e-12)
             ratio = seconds / predicted

@@ -7,11 +7,11 @@ registration and lends each request a part of it in the request's metadata
 gpu_planner decode added, checked, and leave sglang's result as it is. A
 plain sglang decode adds nothing, so its sends never take this path.
 
-A generic send whose plan has at least `GPU_PLANNER_STAGING_MIN_DESCRIPTORS`
-descriptors of at most `GPU_PLANNER_STAGING_MAX_MEAN_BYTES` on average (the
-gate: staging costs a gather and a scatter per byte, which only enough, small
-enough descriptors repay; docs/benchmarks.md measures it), toward a decode
-that lent its request a part, is gathered page
+A generic send toward a decode that lent its request a part, which `decide`
+finds both possible (everything lines up for the decode's scatter) and
+cheaper staged (`path_cost`: its price both ways to this peer, learned from
+this process's own sends; or the gate a user set with
+`GPU_PLANNER_STAGING_MIN_DESCRIPTORS` / `..._MAX_MEAN_BYTES`), is gathered page
 by page of every buffer into the prefill's registered send staging (the
 gathered path's slots), written with one descriptor per slot-sized piece of
 pages into the part (from sglang's executor, two slots at most: while one
@@ -55,6 +55,7 @@ from gpu_planner.integration.sglang.gathered import (
     piece_executor,
     staging_for,
 )
+from gpu_planner.integration.sglang.path_cost import DIRECT, STAGED, path_costs
 from gpu_planner.integration.sglang.staging_wire import (
     KV_POLL_SUCCESS,
     Capability,
@@ -233,6 +234,89 @@ class StagedEntries:
         )  # fmt: skip
 
 
+@dataclass(frozen=True)
+class StagedWrite:
+    """How one send goes staged: where each piece goes, and the note that names them."""
+
+    route: Route
+    page_start: int  # the send's first page in the request
+    decode_page_bytes: int  # the decode's bytes per page over all its buffers
+    entry_ids: list[int]  # each entry's decode buffer index
+    prefill_rank: int
+    staging: Any  # the prefill's `GatherStaging`
+    src_lens: np.ndarray  # each source buffer's registered bytes
+    chunks: list[tuple[int, int]]  # (first page, pages) of each slot-sized piece
+    nbytes: int
+
+
+def decide(
+    manager: Any,
+    session: str,
+    src_pages: np.ndarray,
+    dst_pages: np.ndarray,
+    entries: StagedEntries,
+    descriptors: int,
+) -> StagedWrite | str | None:
+    """Whether a send goes staged: how, or why not (counted by the caller); None where the
+    decode offered no staging at all.
+
+    The one place that decides: first what must line up for the decode to
+    scatter the pieces into this request's pages, then what the send would
+    cost each way to this peer (`path_cost`: the model, or the gate a user set).
+    """
+    with _lock:
+        offered = session in _peers
+    if not offered or not src_pages.size:
+        return None
+    if dst_pages.size != src_pages.size:
+        return "page lists of unequal lengths"
+    if getattr(manager, "deferred_bootstrap", None) is not None:
+        return "sglang publishes this prefill's Success later (deferred bootstrap)"
+    found = route_for(dst_pages)
+    if found is None:
+        return "no part of the decode's receive staging lent to this request"
+    route, page_start = found
+    decode = _decode_entries(manager, session, entries)
+    if isinstance(decode, str):
+        return decode
+    decode_page_bytes, entry_ids = decode
+    try:
+        prefill_rank = int(manager._prefill_unique_rank())
+    except Exception as error:  # a manager without sglang's rank fields: no note could name it
+        return f"this prefill's rank is not known ({error})"
+    num_pages = src_pages.size
+    reservation = route.reservation
+    if (
+        route.session != session
+        or page_start + num_pages > reservation.pages
+        or reservation.nbytes != reservation.pages * decode_page_bytes
+        or decode_page_bytes % entries.writers
+    ):
+        return "the lent part does not match this send's pages"
+    staging = staging_for(manager)
+    if isinstance(staging, str):
+        return f"no send staging: {staging}"
+    chunk_page_bytes = int(entries.src_page_lens.sum())
+    pages_per_slot = staging.slot_bytes // chunk_page_bytes
+    if pages_per_slot == 0:
+        return f"a page of every buffer ({chunk_page_bytes} bytes) exceeds a slot"
+    src_lens = bounds.registered_room(manager.kv_args, entries.src_ptrs)
+    if (src_lens < 0).any():
+        return "a source buffer outside the prefill's registered memory"
+    chunks = [
+        (first, min(pages_per_slot, num_pages - first))
+        for first in range(0, num_pages, pages_per_slot)
+    ]
+    nbytes = num_pages * chunk_page_bytes
+    choice = path_costs().choose(session, descriptors, nbytes, len(chunks))
+    if not choice.staged:
+        return choice.reason
+    return StagedWrite(
+        route, page_start, decode_page_bytes, entry_ids, prefill_rank, staging, src_lens,
+        chunks, nbytes,
+    )  # fmt: skip
+
+
 def send_staged(
     manager: Any,
     session: str,
@@ -251,75 +335,35 @@ def send_staged(
         dst_pages: sglang's slice of the request's decode (host) pages, as
             the send got it: its base array says which request it is.
         entries: the buffers the send moves (`StagedEntries`).
-        descriptors: what the send would otherwise hand Mooncake (the gate).
+        descriptors: what the send would otherwise hand Mooncake (its price direct).
         executor: sglang's executor: each piece's engine call runs there, so
             that the next piece is gathered while one is on the wire.
 
     Returns:
         0 or the first failing engine status; None before any byte moved when
-        staging does not apply (counted where the decode had offered it).
+        the send goes as planned (`decide`'s reason counted where the decode
+        had offered staging).
     """
-    with _lock:
-        offered = session in _peers
-    if not offered or not src_pages.size:
-        return None
-    if dst_pages.size != src_pages.size:
-        return _not_staged("page lists of unequal lengths")
-    if getattr(manager, "deferred_bootstrap", None) is not None:
-        return _not_staged("sglang publishes this prefill's Success later (deferred bootstrap)")
-    page_lens = entries.src_page_lens
-    chunk_page_bytes = int(page_lens.sum())
-    below_gate = _below_gate(descriptors, src_pages.size * chunk_page_bytes)
-    if below_gate is not None:
-        return _not_staged(below_gate)
-    started = time.perf_counter()
-    found = route_for(dst_pages)
-    if found is None:
-        return _not_staged("no part of the decode's receive staging lent to this request")
-    route, page_start = found
-    decode = _decode_entries(manager, session, entries)
-    if isinstance(decode, str):
-        return _not_staged(decode)
-    decode_page_bytes, entry_ids = decode
-    try:
-        prefill_rank = int(manager._prefill_unique_rank())
-    except Exception as error:  # a manager without sglang's rank fields: no note could name it
-        return _not_staged(f"this prefill's rank is not known ({error})")
-    num_pages = src_pages.size
-    reservation = route.reservation
-    if (
-        route.session != session
-        or page_start + num_pages > reservation.pages
-        or reservation.nbytes != reservation.pages * decode_page_bytes
-        or decode_page_bytes % entries.writers
-    ):
-        return _not_staged("the lent part does not match this send's pages")
-    staging = staging_for(manager)
-    if isinstance(staging, str):
-        return _not_staged(f"no send staging: {staging}")
-    pages_per_slot = staging.slot_bytes // chunk_page_bytes
-    if pages_per_slot == 0:
-        return _not_staged(f"a page of every buffer ({chunk_page_bytes} bytes) exceeds a slot")
-    src_lens = bounds.registered_room(manager.kv_args, entries.src_ptrs)
-    if (src_lens < 0).any():
-        return _not_staged("a source buffer outside the prefill's registered memory")
-    gather_layout = _gather_layout(tuple(entries.src_ptrs.tolist()), tuple(page_lens.tolist()))
-    engine_handoff = sglang_handoff(manager.engine)
+    write = decide(manager, session, src_pages, dst_pages, entries, descriptors)
+    if not isinstance(write, StagedWrite):
+        return None if write is None else _not_staged(write)
+    started = time.perf_counter()  # from the choice on: what the model prices either way
+    staging, chunks, route = write.staging, write.chunks, write.route
     first_slot = staging.try_take()
     if first_slot is None:
         return _not_staged("every send staging slot is lent to other sends")
+    page_lens = entries.src_page_lens
+    gather_layout = _gather_layout(tuple(entries.src_ptrs.tolist()), tuple(page_lens.tolist()))
+    engine_handoff = sglang_handoff(manager.engine)
+    reservation = route.reservation
     part, _ = writer_part(reservation.nbytes, entries.writers, entries.writer)
     base = route.region.address + reservation.offset + part
-    chunks = [
-        (first, min(pages_per_slot, num_pages - first))
-        for first in range(0, num_pages, pages_per_slot)
-    ]
     futures = current_send().futures
     executor = piece_executor(executor, len(chunks))
     with SlotLease(staging, first_slot, futures) as lease:  # whatever raises, slots go back
         record_send(
-            "staged", engine_handoff.form, len(chunks), num_pages * chunk_page_bytes,
-            time.perf_counter() - started, len(entry_ids), len(chunks),
+            "staged", engine_handoff.form, len(chunks), write.nbytes,
+            time.perf_counter() - started, len(write.entry_ids), len(chunks),
         )  # fmt: skip
         for first, count in chunks:
             slot = lease.next_slot()  # may wait for this send's own earlier piece
@@ -327,32 +371,47 @@ def send_staged(
                 break  # the send fails: no more pieces are gathered
             ready = gather_into_slot(
                 staging, slot, gather_layout, Chunk(slice(None), slice(first, first + count)),
-                src_pages, src_lens,
+                src_pages, write.src_lens,
             )  # fmt: skip
-            dst = base + chunk_offset(decode_page_bytes, entries.writers, page_start + first)
+            position = write.page_start + first
+            dst = base + chunk_offset(write.decode_page_bytes, entries.writers, position)
             columns = (
                 np.array([staging.slot(slot).data_ptr()], dtype=np.int64),
                 np.array([dst], dtype=np.int64),
-                np.array([count * chunk_page_bytes], dtype=np.int64),
+                np.array([count * int(page_lens.sum())], dtype=np.int64),
             )
             lease.write(slot, executor, engine_handoff, session, ready, columns)
         status = manager._await_transfer_futures(futures)  # slots of ended calls back on return
+    path_costs().observe(
+        session, STAGED, len(chunks), write.nbytes, time.perf_counter() - started, status == 0
+    )
     if status != 0:
         return status  # no note: the decode scatters nothing of this send
     staged = Staged(
         room=route.room,
         reservation_id=reservation.reservation_id,
-        prefill_rank=prefill_rank,
+        prefill_rank=write.prefill_rank,
         writer=entries.writer,
         writers=entries.writers,
-        entries=np.asarray(entry_ids, dtype=np.int64),
+        entries=np.asarray(write.entry_ids, dtype=np.int64),
         is_device=entries.is_device,
-        chunks=np.array([(page_start + first, count) for first, count in chunks], dtype=np.int64),
+        chunks=np.array(
+            [(write.page_start + first, count) for first, count in chunks], dtype=np.int64
+        ),
     )
     _notify(manager, route, staged)
     with _lock:
         route.staged_notes += 1
     return 0
+
+
+def observe_direct(session: str, descriptors: int, nbytes: int, seconds: float, ok: bool):
+    """A send to `session` went direct: its time teaches the cost model, where that decode
+    offers staging (the only peers it chooses for)."""
+    with _lock:
+        offered = session in _peers
+    if offered:
+        path_costs().observe(session, DIRECT, descriptors, nbytes, seconds, ok)
 
 
 @settings.sized_cache(settings.LAYOUT_CACHE_SIZE)
@@ -374,15 +433,6 @@ def _gather_layout(src_ptrs: tuple[int, ...], page_lens: tuple[int, ...]) -> Hea
     )
 
 
-def _below_gate(descriptors: int, nbytes: int) -> str | None:
-    """Why a send of `descriptors` moving `nbytes` does not pay for staging; None if it does."""
-    if descriptors < settings.loaded(settings.STAGING_MIN_DESCRIPTORS):
-        return f"below the gate: fewer than {settings.STAGING_MIN_DESCRIPTORS.name} descriptors"
-    if nbytes > descriptors * settings.loaded(settings.STAGING_MAX_MEAN_BYTES):
-        return f"below the gate: mean descriptor above {settings.STAGING_MAX_MEAN_BYTES.name}"
-    return None
-
-
 def _decode_entries(
     manager: Any, session: str, entries: StagedEntries
 ) -> tuple[int, list[int]] | str:
@@ -390,16 +440,32 @@ def _decode_entries(
     decode = getattr(manager, "decode_kv_args_table", {}).get(session)
     if decode is None:
         return "the decode's registration is not known"
-    dst_ptrs = [int(ptr) for ptr in decode.dst_kv_ptrs]
-    item_lens = list(decode.dst_kv_item_lens) or [int(decode.dst_kv_item_len)] * len(dst_ptrs)
+    return _entry_ids(
+        tuple(decode.dst_kv_ptrs),
+        tuple(decode.dst_kv_item_lens) or (int(decode.dst_kv_item_len),) * len(decode.dst_kv_ptrs),
+        tuple(entries.dst_ptrs.tolist()),
+        tuple(entries.src_page_lens.tolist()),
+        entries.writers,
+    )
+
+
+@settings.sized_cache(settings.LAYOUT_CACHE_SIZE)
+def _entry_ids(
+    dst_ptrs: tuple[int, ...],
+    item_lens: tuple[int, ...],
+    entry_ptrs: tuple[int, ...],
+    page_lens: tuple[int, ...],
+    writers: int,
+) -> tuple[int, list[int]] | str:
+    """`_decode_entries` for one decode registration and one send layout (the same for every
+    send between them: matched once)."""
     if len(item_lens) != len(dst_ptrs):
         return "the decode's registration has item lengths for other buffers"
-    index = {ptr: position for position, ptr in enumerate(dst_ptrs)}
+    index = {int(ptr): position for position, ptr in enumerate(dst_ptrs)}
     entry_ids = []
-    pairs = zip(entries.dst_ptrs.tolist(), entries.src_page_lens.tolist(), strict=True)
-    for ptr, page_len in pairs:
+    for ptr, page_len in zip(entry_ptrs, page_lens, strict=True):
         position = index.get(ptr)
-        if position is None or int(item_lens[position]) != entries.writers * page_len:
+        if position is None or int(item_lens[position]) != writers * page_len:
             return "a destination that is not a whole decode KV buffer"
         entry_ids.append(position)
     if sorted(entry_ids) != list(range(len(dst_ptrs))):

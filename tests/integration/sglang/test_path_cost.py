@@ -385,8 +385,26 @@ def test_the_same_sends_give_the_same_choices_and_figures():
     assert histories[0] == histories[1]
 
 
+def warmed(costs: PathCosts, *peers: str) -> PathCosts:
+    """`costs` past each peer's first send of each path (which pays one-time costs, unlearned)."""
+    for peer in peers:
+        for path in PATHS:
+            assert not costs.observe(peer, path, 1, 4096, 1.0)
+    return costs
+
+
+def test_a_peers_first_send_of_a_path_is_not_learned_from():
+    """It pays Mooncake's connection to the peer and first-use costs, not the path's."""
+    costs = model(TCP)
+    assert not costs.observe("peer", STAGED, 1, 4096, 0.5)  # 100x its price: a cold start
+    assert costs.figures("peer") == dataclasses.replace(TCP, sends=(0, 0))
+    assert costs.observe("peer", STAGED, 1, 4096, TCP.staged_send_s(1, 4096))
+    assert not costs.observe("peer", DIRECT, 1, 4096, 0.5)  # each path's first
+    assert costs.figures("peer").sends == (0, 1)
+
+
 def test_threads_share_one_model():
-    costs = PathCosts(TCP, probe_interval=8)
+    costs = warmed(PathCosts(TCP, probe_interval=8), "decode-0", "decode-1", "decode-2")
 
     def sender(number: int) -> None:
         for send in range(300):
@@ -407,8 +425,8 @@ def test_threads_share_one_model():
 
 
 def test_choices_and_observations_are_counted():
+    costs = warmed(model(TCP), "peer")
     before = counters.snapshot()
-    costs = model(TCP)
     costs.choose("peer", 32, 32 * 8192, 1)
     costs.choose("peer", 1952, 1952 * 2048, 1)
     predicted = TCP.direct_s(32, 32 * 8192)
@@ -435,6 +453,7 @@ def test_the_counts_reach_sglang_metrics(tmp_path):
         "from gpu_planner.integration.sglang.path_cost import path_costs\n"
         "costs = path_costs()\n"
         "choice = costs.choose('decode', 32, 32 * 8192, 1)\n"
+        "costs.observe('decode', choice.path, 32, 32 * 8192, 1.0)  # its first: unlearned\n"
         "costs.observe('decode', choice.path, 32, 32 * 8192, 1e-3)\n"
     )
     environment = {key: value for key, value in os.environ.items() if key[:12] != "GPU_PLANNER_"}
@@ -490,7 +509,7 @@ def test_info_prints_the_models_figures(monkeypatch):
     assert rows["peers"].startswith("none in this process")
     costs = path_cost.path_costs()
     costs.choose("decode-7", 64, 64 * 4096, 1)
-    costs.observe("decode-7", DIRECT, 64, 64 * 4096, 2e-3)
+    warmed(costs, "decode-7").observe("decode-7", DIRECT, 64, 64 * 4096, 2e-3)
     rows = dict(info.send_path())
     assert "(from 1 direct and 0 staged sends)" in rows["peer decode-7"]
     set_knob(monkeypatch, settings.STAGING_MIN_DESCRIPTORS.name, "100")
