@@ -27,7 +27,7 @@ from gpu_planner.integration.sglang.counters import record_send
 from gpu_planner.integration.sglang.entries import Entries, Entry, SendCall, transfer_entries
 from gpu_planner.integration.sglang.fallback import Fallback, current_send
 from gpu_planner.integration.sglang.layer_calls import submit_in_order
-from gpu_planner.integration.sglang.staged_send import StagedEntries, send_staged
+from gpu_planner.integration.sglang.staged_send import StagedEntries, observe_direct, send_staged
 
 # What the hook reads of `kv_args`: the registered buffers its bounds check uses.
 KV_FIELDS = ("kv_data_ptrs", "kv_data_lens")
@@ -60,7 +60,8 @@ def send_kvcache_generic_hook(manager: conn.MooncakeKVManager, *args, **kwargs) 
     )
     if staged_status is not None:
         return staged_status
-    plan_seconds = time.perf_counter() - started
+    direct_started = time.perf_counter()
+    plan_seconds = direct_started - started
     engine_handoff = sglang_handoff(manager.engine)
     num_descriptors = plan.num_descriptors
     record_send(
@@ -72,7 +73,21 @@ def send_kvcache_generic_hook(manager: conn.MooncakeKVManager, *args, **kwargs) 
         plan.layout.num_buffers,
         plan.num_batches,
     )
+    status = _send_direct(manager, call, plan, engine_handoff)
+    observe_direct(
+        call.mooncake_session_id, num_descriptors,
+        call.prefill_data_indices.size * buffers.page_bytes,
+        time.perf_counter() - direct_started, status == 0,
+    )  # fmt: skip
+    return status
+
+
+def _send_direct(
+    manager: conn.MooncakeKVManager, call: SendCall, plan: gp.TransferPlan, engine_handoff
+) -> int:
+    """The plan's engine calls, as sglang makes them; the first failing status, else 0."""
     session = call.mooncake_session_id
+    num_descriptors = plan.num_descriptors
     if _uses_per_layer_futures(manager):
         pieces = list(engine_handoff.pieces(plan, per_buffer=True))
 

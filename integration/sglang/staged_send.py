@@ -382,9 +382,7 @@ def send_staged(
             )
             lease.write(slot, executor, engine_handoff, session, ready, columns)
         status = manager._await_transfer_futures(futures)  # slots of ended calls back on return
-    path_costs().observe(
-        session, STAGED, len(chunks), write.nbytes, time.perf_counter() - started, status == 0
-    )
+    _observe(session, STAGED, len(chunks), write.nbytes, time.perf_counter() - started, status)
     if status != 0:
         return status  # no note: the decode scatters nothing of this send
     staged = Staged(
@@ -405,13 +403,21 @@ def send_staged(
     return 0
 
 
-def observe_direct(session: str, descriptors: int, nbytes: int, seconds: float, ok: bool):
+def observe_direct(session: str, descriptors: int, nbytes: int, seconds: float, ok: bool) -> None:
     """A send to `session` went direct: its time teaches the cost model, where that decode
     offers staging (the only peers it chooses for)."""
     with _lock:
         offered = session in _peers
     if offered:
-        path_costs().observe(session, DIRECT, descriptors, nbytes, seconds, ok)
+        _observe(session, DIRECT, descriptors, nbytes, seconds, 0 if ok else -1)
+
+
+def _observe(session: str, path: str, requests: int, nbytes: int, seconds: float, status: int):
+    """Teach the cost model a send's time; never raises: the send's status stands."""
+    try:
+        path_costs().observe(session, path, requests, nbytes, seconds, ok=status == 0)
+    except Exception as error:
+        log_fallback_once(f"the cost model did not take a send ({error})", key="cost model")
 
 
 @settings.sized_cache(settings.LAYOUT_CACHE_SIZE)
