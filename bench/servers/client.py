@@ -59,15 +59,11 @@ def generate_pd(
     decode_url: str,
     input_ids: Sequence[int],
     max_new_tokens: int = MAX_NEW_TOKENS,
+    bootstrap_room: int | None = None,
 ) -> Generation:
-    """A disaggregated request: prefill and decode at once, one bootstrap room; decode's tokens."""
-    payload = {
-        "input_ids": list(input_ids),
-        "sampling_params": sampling(max_new_tokens),
-        "bootstrap_host": "127.0.0.1",
-        "bootstrap_port": bootstrap_port,
-        "bootstrap_room": random.getrandbits(63),
-    }
+    """A disaggregated request: prefill and decode at once, one bootstrap room (random unless
+    given: a router's retry reuses its room); decode's tokens."""
+    payload = pd_payload(input_ids, bootstrap_port, bootstrap_room, max_new_tokens)
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         prefill = pool.submit(_post, prefill_url, payload)
         decode = pool.submit(_post, decode_url, payload)
@@ -75,17 +71,28 @@ def generate_pd(
     return Generation(tuple(body["output_ids"]), body["meta_info"], prefill_body["meta_info"])
 
 
+def pd_payload(
+    input_ids: Sequence[int],
+    bootstrap_port: int,
+    bootstrap_room: int | None = None,
+    max_new_tokens: int = MAX_NEW_TOKENS,
+) -> dict:
+    """The /generate body both servers of a disaggregated request get (a random room unless
+    `bootstrap_room` is given)."""
+    return {
+        "input_ids": list(input_ids),
+        "sampling_params": sampling(max_new_tokens),
+        "bootstrap_host": "127.0.0.1",
+        "bootstrap_port": bootstrap_port,
+        "bootstrap_room": random.getrandbits(63) if bootstrap_room is None else bootstrap_room,
+    }
+
+
 def first_token_pd(
     prefill_url: str, bootstrap_port: int, decode_url: str, input_ids: Sequence[int]
 ) -> float:
     """Seconds from sending a disaggregated request until decode streams its first token."""
-    payload = {
-        "input_ids": list(input_ids),
-        "sampling_params": sampling(max_new_tokens=2),
-        "bootstrap_host": "127.0.0.1",
-        "bootstrap_port": bootstrap_port,
-        "bootstrap_room": random.getrandbits(63),
-    }
+    payload = pd_payload(input_ids, bootstrap_port, max_new_tokens=2)
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         started = time.perf_counter()
         prefill = pool.submit(_post, prefill_url, payload)

@@ -1,24 +1,30 @@
 """Receive staging in real sglang servers: a 16-layer model, page 16, fragmented pools.
 
-One deployment for every receive-staging scenario (six servers start once):
+One deployment for every receive-staging scenario (seven servers start once):
 
 - decodes: `staging` (the plugin, its receive staging on), `killed` (the
   same, killed mid-transfer by the last test) and `plain`
   (`GPU_PLANNER_DISABLE=1`: sglang's own code);
 - prefills: `staged` (the plugin, staging gate at 1 descriptor), `plain`
-  (`GPU_PLANNER_DISABLE=1`) and `tp2` (the plugin, TP 2: each rank holds one
-  of the model's two KV heads, a share of every decode token slot).
+  (`GPU_PLANNER_DISABLE=1`), `tp2` (the plugin, TP 2: each rank holds one
+  of the model's two KV heads, a share of every decode token slot) and
+  `pp2` (the plugin, two pipeline stages of 8 layers each).
 
 The plain prefill through the plain decode is plain sglang: its tokens are
 what every TP 1 pairing must give. The staged prefill's fragmented sends of
 32 KV buffers are gathered into the staging decode's region and scattered
 there; either plugin peer paired with a plain one keeps today's protocol and
-stages nothing. TP 2 -> 1 staged must equal the same TP 2 prefill through the
-plain decode (not a TP 1 server: a TP 2 prefill's all-reduce rounds bf16
-otherwise). The corruption control leaves one staged page out of one scatter
-(test scaffolding) and the tokens change. Last, a decode killed while a
-staged request is between its chunks: the prefill's request fails, and its
-next requests to a healthy staging decode are staged and right.
+stages nothing. TP 2 -> 1 staged must equal the same TP 2 prefill through
+the plain decode (not a TP 1 server: a TP 2 prefill's all-reduce rounds bf16
+otherwise). A PP 2 prefill's stages each
+write some of the decode's buffers: sent direct, counted, plain sglang's
+tokens. The corruption control leaves one staged page out of one scatter
+(test scaffolding) and the tokens change. A request aborted on the decode
+while its staged note is held: the note is dropped when it arrives, and the
+same room retried with as many pages gives plain sglang's tokens. Last, a
+decode killed while a staged request is between its chunks: the prefill's
+request fails, and its next requests to a healthy staging decode are staged
+and right.
 """
 
 from __future__ import annotations
@@ -27,21 +33,25 @@ import concurrent.futures
 import dataclasses
 import random
 import time
+import uuid
 from pathlib import Path
 
 import pytest
+import requests
 
 from bench.servers.client import (
     REQUEST_TIMEOUT_S,
     Generation,
     generate_all,
     generate_pd,
+    pd_payload,
     sampling,
     server_metrics,
 )
 from bench.servers.launcher import Server, servers_running, sglang_spec
 from tests.e2e.e2e_checks import assert_same_tokens
 from tests.e2e.e2e_scenarios import (
+    CHUNKED_PREFILL_TOKENS,
     CONCURRENCY,
     POOL_TOKENS,
     STAGING_CONTROL_PROMPT,
@@ -50,6 +60,7 @@ from tests.e2e.e2e_scenarios import (
 )
 from tests.e2e.scaffolding.e2e_sglang_scaffolding import (
     CORRUPT_SCATTER_FLAG_ENV,
+    HOLD_NOTE_FLAG_ENV,
     STALL_STAGED_FLAG_ENV,
 )
 
@@ -62,6 +73,11 @@ TP2_PROMPTS = PROMPTS[:6]  # TP 2 on two cores is slow
 STAGED = {"GPU_PLANNER_STAGING_MIN_DESCRIPTORS": "1"}
 PLAIN = {"GPU_PLANNER_DISABLE": "1"}
 DEAD_PEER_FAILS_WITHIN_S = 120.0  # the prefill's request, once its decode is gone
+PIPELINE_STAGE_NOT_STAGED = (
+    "gpu_planner:fallbacks_total{reason=not staged: the send writes only some of the "
+    "decode's KV buffers (a pipeline stage)}"
+)
+ABORT_ANSWERED_WITHIN_S = 60.0  # sglang's deferred release of aborted pages times out at 30 s
 
 
 @dataclasses.dataclass
@@ -70,6 +86,7 @@ class Deployment:
     prefills: dict[str, Server]
     corrupt_flag: Path  # create it to corrupt the staging decode's next scatter
     stall_flag: Path  # create it to hold the staged prefill after its next staged send
+    hold_flag: Path  # create it to hold the staged prefill's next note until `<flag>.go`
 
     def send(self, prefill: str, decode: str, prompts) -> list[Generation]:
         source, sink = self.prefills[prefill], self.decodes[decode]
@@ -89,6 +106,7 @@ class Deployment:
 def deployment(layered_model, server_logs, tmp_path_factory):
     flags = tmp_path_factory.mktemp("staging-flags")
     corrupt_flag, stall_flag = flags / "corrupt-next-scatter", flags / "stall-next-staged"
+    hold_flag = flags / "hold-next-note"
     pool = ("--max-total-tokens", str(POOL_TOKENS))
     decode_env = {"staging": {CORRUPT_SCATTER_FLAG_ENV: str(corrupt_flag)}, "killed": {},
                   "plain": PLAIN}  # fmt: skip
@@ -99,20 +117,26 @@ def deployment(layered_model, server_logs, tmp_path_factory):
     specs += [
         prefill_spec(
             "staged-prefill", layered_model, PAGE_SIZE, BATCH_PAGES,
-            {**STAGED, STALL_STAGED_FLAG_ENV: str(stall_flag)},
+            {**STAGED, STALL_STAGED_FLAG_ENV: str(stall_flag), HOLD_NOTE_FLAG_ENV: str(hold_flag)},
         ),
         prefill_spec("plain-prefill", layered_model, PAGE_SIZE, BATCH_PAGES, PLAIN),
         sglang_spec(
             "tp2-prefill", layered_model, PAGE_SIZE, "prefill", *pool, "--tp-size", "2",
             env={**STAGED, "SGLANG_CPU_OMP_THREADS_BIND": "0|1"},
         ),
+        sglang_spec(
+            "pp2-prefill", layered_model, PAGE_SIZE, "prefill", *pool, "--pp-size", "2",
+            "--chunked-prefill-size", str(CHUNKED_PREFILL_TOKENS),
+            env={**STAGED, "SGLANG_CPU_OMP_THREADS_BIND": "0|1"},
+        ),
     ]  # fmt: skip
     with servers_running(specs, server_logs) as servers:
         yield Deployment(
             {name: servers[f"{name}-decode"] for name in decode_env},
-            {name: servers[f"{name}-prefill"] for name in ("staged", "plain", "tp2")},
+            {name: servers[f"{name}-prefill"] for name in ("staged", "plain", "tp2", "pp2")},
             corrupt_flag,
             stall_flag,
+            hold_flag,
         )
 
 
@@ -170,6 +194,23 @@ def test_tp_down_staged_tokens_equal_the_same_prefill_through_a_plain_decode(dep
     assert decode["gpu_planner:staged_scatters_total"] > before, decode
 
 
+def test_a_pipeline_prefill_is_sent_direct_and_token_identical(deployment, plain_tokens):
+    """PP 2 -> 1: each stage writes only its own layers' buffers, which a staged note cannot
+    name (it covers every decode buffer); both stages send as planned, counted, and the
+    tokens are plain sglang's (a pipeline splits layers, not heads: no all-reduce)."""
+    prefill = deployment.prefills["pp2"].url
+    before = server_metrics(deployment.decodes["staging"].url)
+    generations = deployment.send("pp2", "staging", TP2_PROMPTS)
+    assert_same_tokens("PP 2 -> 1", TP2_PROMPTS, generations, plain_tokens)
+    metrics = server_metrics(prefill)
+    assert deployment.staged_sends("pp2") == 0, metrics
+    assert metrics.get(PIPELINE_STAGE_NOT_STAGED, 0) >= 2 * len(TP2_PROMPTS), metrics
+    decode = server_metrics(deployment.decodes["staging"].url)
+    scatters = "gpu_planner:staged_scatters_total"
+    assert decode[scatters] == before[scatters], decode
+    assert not [key for key in decode if "refused" in key or "no live lending" in key], decode
+
+
 def test_a_skipped_scatter_changes_the_tokens(deployment, plain_tokens):
     """The control: one staged page never scattered, other tokens; the next request is right."""
     expected = plain_tokens[tuple(STAGING_CONTROL_PROMPT)]
@@ -180,6 +221,63 @@ def test_a_skipped_scatter_changes_the_tokens(deployment, plain_tokens):
     assert corrupted.output_ids[1:] != expected[1:]
     [clean] = deployment.send("staged", "staging", [STAGING_CONTROL_PROMPT])
     assert clean.output_ids == expected
+
+
+def test_a_room_retried_after_an_abort_is_token_identical(deployment, plain_tokens):
+    """A staged request of room R is aborted on the decode while its first chunk is written and
+    its note held; the note then arrives for an ended lending and is dropped, not scattered.
+    The same prompt again with room R (as many pages: what a router's retry sends) is staged
+    into a lending of its own and gives plain sglang's tokens."""
+    prefill, decode = deployment.prefills["staged"], deployment.decodes["staging"]
+    prompt, room = STAGING_CONTROL_PROMPT, random.getrandbits(63)
+    payload = {**pd_payload(prompt, prefill.bootstrap_port, room), "rid": uuid.uuid4().hex}
+    hold = deployment.hold_flag
+    written, go = Path(f"{hold}.written"), Path(f"{hold}.go")
+    before, released = server_metrics(decode.url), _released(decode.url)
+    hold.touch()
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        prefill_reply = pool.submit(_post_reply, prefill.url, payload)
+        decode_reply = pool.submit(_post_reply, decode.url, payload)
+        try:
+            _wait_for(
+                written.exists, "the staged prefill never wrote the first chunk", prefill_reply
+            )
+            aborted = requests.post(
+                decode.url + "/abort_request", json={"rid": payload["rid"]}, timeout=30
+            )
+            assert aborted.status_code == 200, aborted.text
+            decode_status, decode_body = decode_reply.result(timeout=ABORT_ANSWERED_WITHIN_S)
+        finally:
+            go.touch()  # the held note goes to the decode, for a lending that has ended
+        prefill_reply.result(timeout=DEAD_PEER_FAILS_WITHIN_S)
+    written.unlink()
+    go.unlink()
+    assert not hold.exists(), "the scaffolding did not take the flag"
+    assert _aborted(decode_status, decode_body), (decode_status, decode_body)
+    dropped = "gpu_planner:receive_staging_fallbacks_total{reason=staged note for no live lending}"
+    _wait_for(
+        lambda: (
+            _released(decode.url) > released
+            and server_metrics(decode.url).get(dropped, 0) > before.get(dropped, 0)
+        ),
+        "the decode neither dropped the held note nor released the aborted request's pages",
+        timeout_s=ABORT_ANSWERED_WITHIN_S,
+    )
+    after_abort = server_metrics(decode.url)
+    assert after_abort[dropped] - before.get(dropped, 0) == 1, after_abort
+    scatters = "gpu_planner:staged_scatters_total"
+    assert after_abort[scatters] == before[scatters], "the aborted request's note was scattered"
+
+    sends = deployment.staged_sends("staged")
+    retried = generate_pd(
+        prefill.url, prefill.bootstrap_port, decode.url, prompt, bootstrap_room=room
+    )
+    assert retried.output_ids == plain_tokens[tuple(prompt)], (retried.output_ids, room)
+    assert deployment.staged_sends("staged") > sends, "the retried request was not staged"
+    after = server_metrics(decode.url)
+    assert after[scatters] > after_abort[scatters], after
+    assert after[dropped] == after_abort[dropped], after
+    assert not [key for key in after if "refused" in key or "malformed" in key], after
 
 
 def test_a_decode_killed_mid_transfer_fails_the_request_and_spares_the_next(
@@ -225,8 +323,6 @@ def test_a_decode_killed_mid_transfer_fails_the_request_and_spares_the_next(
 
 def _post_reply(url: str, payload: dict) -> tuple[int | None, object]:
     """(HTTP status, JSON body or text) of a /generate; (None, the error) if the server died."""
-    import requests
-
     try:
         response = requests.post(url + "/generate", json=payload, timeout=REQUEST_TIMEOUT_S)
     except requests.RequestException as error:
@@ -235,3 +331,29 @@ def _post_reply(url: str, payload: dict) -> tuple[int | None, object]:
         return response.status_code, response.json()
     except ValueError:
         return response.status_code, response.text
+
+
+def _wait_for(condition, message: str, reply=None, timeout_s: float = REQUEST_TIMEOUT_S) -> None:
+    """Poll `condition` every 50 ms until it holds; fail with `message` after `timeout_s`, or
+    at once with the reply's result if `reply` (a request's future) ended before it held."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, message
+        assert reply is None or not reply.done(), (message, reply.result())
+        time.sleep(0.05)
+
+
+def _aborted(status: int | None, body: object) -> bool:
+    """Whether a /generate reply says its request was aborted (sglang answers 200 or an error)."""
+    finish = body.get("meta_info", {}).get("finish_reason", {}) if isinstance(body, dict) else {}
+    return status is not None and (status != 200 or finish.get("type") == "abort")
+
+
+RELEASED = "sglang:decode_deferred_kv_release_total"
+
+
+def _released(url: str) -> float:
+    """Aborted requests whose pages the decode released (sglang's deferred release: once the
+    prefill acknowledged that its writes drained, or timed out): then the room is cleared."""
+    samples = server_metrics(url, prefix=RELEASED)
+    return sum(value for key, value in samples.items() if key.startswith(RELEASED + "{"))

@@ -26,6 +26,12 @@ nothing without it:
   sends its note, then creates `<flag>.written` and holds its transfer
   thread until `<flag>.go` exists (at most `STALL_LIMIT_S`): the test kills
   the decode in between, so the request's next chunk meets a dead peer.
+- The retried-room check: when `E2E_HOLD_NOTE_FLAG` names a file, the
+  prefill's next staged send after that file appears writes its chunk, creates
+  `<flag>.written` and holds its note (and its transfer thread) until
+  `<flag>.go` exists (at most `STALL_LIMIT_S`), then sends the note: the test
+  aborts the request on the decode in between, so the note arrives for a
+  lending that has ended.
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ from pathlib import Path
 CORRUPT_FLAG_ENV = "E2E_CORRUPT_FLAG"
 CORRUPT_SCATTER_FLAG_ENV = "E2E_CORRUPT_SCATTER_FLAG"
 STALL_STAGED_FLAG_ENV = "E2E_STALL_STAGED_FLAG"
+HOLD_NOTE_FLAG_ENV = "E2E_HOLD_NOTE_FLAG"
 STALL_LIMIT_S = 120.0
 SEND_KVCACHE = "sglang.srt.disaggregation.mooncake.conn.MooncakeKVManager.send_kvcache"
 
@@ -61,6 +68,10 @@ def register() -> None:
         from gpu_planner.integration.sglang import staged_send
 
         staged_send._notify = _stalling_notify(staged_send._notify)
+    if os.environ.get(HOLD_NOTE_FLAG_ENV):
+        from gpu_planner.integration.sglang import staged_send
+
+        staged_send._notify = _holding_notify(staged_send._notify)
 
 
 def corrupt_one_send(original, manager, session, src_pages, dst_ptrs, dst_pages, *args, **kwargs):
@@ -94,13 +105,32 @@ def _stalling_notify(notify):
         flag = os.environ[STALL_STAGED_FLAG_ENV]
         if _claim_flag(flag):
             logger.warning("e2e scaffolding: a staged send written; holding its thread")
-            Path(f"{flag}.written").touch()
-            go = Path(f"{flag}.go")
-            deadline = time.monotonic() + STALL_LIMIT_S
-            while not go.exists() and time.monotonic() < deadline:
-                time.sleep(0.05)
+            _hold(flag)
 
     return stalling_notify
+
+
+def _holding_notify(notify):
+    """`notify`, held until told to go once the flag file exists (the chunk is written)."""
+
+    def holding_notify(*args, **kwargs):
+        flag = os.environ[HOLD_NOTE_FLAG_ENV]
+        if _claim_flag(flag):
+            logger.warning("e2e scaffolding: a staged chunk written; holding its note")
+            _hold(flag)
+            logger.warning("e2e scaffolding: the held note goes")
+        notify(*args, **kwargs)
+
+    return holding_notify
+
+
+def _hold(flag: str) -> None:
+    """Create `<flag>.written`, then wait until `<flag>.go` exists (at most STALL_LIMIT_S)."""
+    Path(f"{flag}.written").touch()
+    go = Path(f"{flag}.go")
+    deadline = time.monotonic() + STALL_LIMIT_S
+    while not go.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
 def _claim_flag(path: str) -> bool:
