@@ -6,14 +6,17 @@ MHA K/V halves, pipeline-parallel slices, published layer ids, elided entries).
 This module reproduces that mapping by calling the manager's own helpers, so
 the plugin plans exactly the buffers sglang would and only replaces the
 run grouping and descriptor expansion.
+
+sglang sends to one decode's buffers again and again: the mapping is kept per
+peer layout (`layout_key`: every value it depends on, so a changed list, layer
+id or manager field maps again), with what the hooks derive from it
+(`Entries.derive`), for at most `GPU_PLANNER_LAYOUT_CACHE_SIZE` layouts.
 """
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import functools
-import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -85,9 +88,8 @@ class Entries:
 
 MAX_DERIVED = 8  # values a hook derives from one layout's entries (per device-buffer set)
 
-# The manager's helpers that map a send's entries. Entries are cached only where each is
-# sglang's own: then the mapping reads no more of the manager than these fields (and
-# `kv_args.mla_compression_ratios`), all part of `layout_key`.
+# The manager's helpers that map a send's entries. Entries are kept only where each is
+# sglang's own: then the mapping reads no more of the manager than `layout_key` holds.
 _MAPPING_HELPERS = (
     "get_mla_kv_ptrs_with_pp",
     "get_mha_kv_ptrs_with_pp",
@@ -98,47 +100,26 @@ _MAPPING_HELPERS = (
 _MISSING = object()  # a field the manager lacks (the mapping raises where it reads one)
 
 
-class _EntriesCache:
-    """`Entries` by `layout_key`, at most `GPU_PLANNER_LAYOUT_CACHE_SIZE`, least recent dropped."""
+class _Kept:
+    """A peer layout's place in the cache: empty until a send to it mapped its entries."""
+
+    __slots__ = ("entries",)
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._kept: collections.OrderedDict[tuple, Entries] = collections.OrderedDict()
-        self._generation = -1
-
-    def get(self, key: tuple) -> Entries | None:
-        with self._lock:
-            found = self._kept.get(key)
-            if found is not None:
-                self._kept.move_to_end(key)
-            return found
-
-    def keep(self, key: tuple, entries: Entries) -> None:
-        size = settings.loaded(settings.LAYOUT_CACHE_SIZE)
-        generation = settings.generation()
-        with self._lock:
-            if generation != self._generation:  # reloaded knobs: rebuilt, as `sized_cache` does
-                self._kept.clear()
-                self._generation = generation
-            self._kept[key] = entries
-            while len(self._kept) > size:
-                self._kept.popitem(last=False)
-
-    def clear(self) -> None:
-        with self._lock:
-            self._kept.clear()
-
-    def __len__(self) -> int:
-        return len(self._kept)
+        self.entries: Entries | None = None
 
 
-_cache = _EntriesCache()
+@settings.sized_cache(settings.LAYOUT_CACHE_SIZE)
+def _kept(key: tuple) -> _Kept:
+    """The place of the layout `key` (`layout_key`): at most `GPU_PLANNER_LAYOUT_CACHE_SIZE`
+    layouts, the least recently sent to dropped first."""
+    return _Kept()
 
 
 def transfer_entries(manager: conn.MooncakeKVManager, call: SendCall) -> Entries:
     """sglang's per-buffer entries for `call`; `Failed` where sglang returns before transferring.
 
-    Built once per peer layout (`layout_key`) and kept; sglang's stride check
+    Mapped once per peer layout (`layout_key`) and kept; sglang's stride check
     runs where sglang would run it, until it passed once for these values.
     Side effects are sglang's own, logged by sglang's logger: a stride mismatch
     logs, concludes the room as failed and fails with -1; an out-of-range MHA
@@ -147,9 +128,10 @@ def transfer_entries(manager: conn.MooncakeKVManager, call: SendCall) -> Entries
     stride_check = needs_stride_check(manager, call)
     try:
         key = layout_key(manager, call)
-        found = None if key is None else _cache.get(key)
+        kept = None if key is None else _kept(key)
     except TypeError:  # a value that is not hashable: mapped for this send only
-        key = found = None
+        kept = None
+    found = None if kept is None else kept.entries
     if found is not None:
         if stride_check and not found.strides_checked:
             check_state_strides(manager, call)
@@ -158,14 +140,14 @@ def transfer_entries(manager: conn.MooncakeKVManager, call: SendCall) -> Entries
     if stride_check:
         check_state_strides(manager, call)
     entries = Entries.of(mapped_entries(manager, call), strides_checked=stride_check)
-    if key is not None:
-        _cache.keep(key, entries)
+    if kept is not None:
+        kept.entries = entries
     return entries
 
 
 def forget_entries() -> None:
     """Drop every kept peer layout's entries (tests)."""
-    _cache.clear()
+    _kept.cache_clear()
 
 
 def layout_key(manager: conn.MooncakeKVManager, call: SendCall) -> tuple | None:
@@ -177,8 +159,7 @@ def layout_key(manager: conn.MooncakeKVManager, call: SendCall) -> tuple | None:
     subclass or an instance attribute): its entries are not kept. Raises
     `TypeError` for a value that is not hashable.
     """
-    own = getattr(manager, "__dict__", {})
-    if not _own_helpers(type(manager)) or any(name in own for name in _MAPPING_HELPERS):
+    if not _own_helpers(type(manager)) or not vars(manager).keys().isdisjoint(_MAPPING_HELPERS):
         return None
     kv_args = manager.kv_args
     ratios = getattr(kv_args, "mla_compression_ratios", None)

@@ -166,17 +166,24 @@ def test_sglangs_stride_check_runs_until_it_passed(monkeypatch):
     assert len(sends.manager.conclude_failure.calls) == 4  # two of the hook's, two of sglang's
 
 
-def test_what_is_kept_stays_bounded(monkeypatch):
+def test_what_is_kept_stays_bounded(monkeypatch, mapped):
+    """At most GPU_PLANNER_LAYOUT_CACHE_SIZE layouts kept: the least recently sent to go first."""
     set_knob(monkeypatch, "GPU_PLANNER_LAYOUT_CACHE_SIZE", "3")
     sends = Sends()
-    for peer in range(8):
-        sends.call["dst_data_ptrs"] = ptrs(DST_BASE + peer * (1 << 38), 4)
-        sends.manager.kv_args.kv_data_lens = [SPAN - peer] * 4
+    layouts = [ptrs(DST_BASE + peer * (1 << 38), 4) for peer in range(8)]
+    for peer, dst_ptrs in enumerate(layouts):
+        sends.call["dst_data_ptrs"] = list(dst_ptrs)
+        sends.manager.kv_args.kv_data_lens = [SPAN - peer] * 4  # a registration per send
         hooked, sglang = sends.both()
         assert hooked == sglang and hooked[0] == 0
-    assert len(entries._cache) == 3
-    kept = entries.transfer_entries(
-        sends.manager, entries.SendCall(**sends.call)
-    )  # the last peer's, still kept
-    assert kept.dst_ptrs == tuple(sends.call["dst_data_ptrs"])
-    assert len(kept.derived) == 1
+    assert mapped[0] == 8
+    for dst_ptrs in layouts[-3:]:  # still kept
+        sends.call["dst_data_ptrs"] = list(dst_ptrs)
+        assert sends.send(hooked_send())[0] == 0
+    assert mapped[0] == 8
+    sends.call["dst_data_ptrs"] = list(layouts[0])  # dropped: mapped again
+    hooked, sglang = sends.both()
+    assert hooked == sglang and mapped[0] == 9
+    kept = entries.transfer_entries(sends.manager, entries.SendCall(**sends.call))
+    assert kept.dst_ptrs == tuple(layouts[0]) and len(kept.derived) == 1
+    assert mapped[0] == 9
