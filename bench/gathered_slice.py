@@ -350,6 +350,8 @@ def main() -> None:
     parser.add_argument("--verify", action="store_true", help="check what lands, first")
     args = parser.parse_args()
     os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
+    # The staged variant stages whatever the cost model would choose (the gate, set, decides).
+    os.environ.setdefault("GPU_PLANNER_STAGING_MIN_DESCRIPTORS", "1")
     results = {
         direction: {
             tokens: measure(direction, args.layers, tokens, args.budget_s, args.verify)

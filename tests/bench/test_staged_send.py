@@ -29,7 +29,10 @@ def test_the_staged_generic_send_lands_the_same_bytes_in_fewer_descriptors():
     assert result["ratios"]["hook/staged_with_scatter"] > 0
 
 
-def test_the_staged_tp_down_slice_send_writes_one_share_of_each_slot_in_fewer_descriptors():
+def test_the_staged_tp_down_slice_send_writes_one_share_of_each_slot_in_fewer_descriptors(
+    monkeypatch,
+):
+    monkeypatch.setenv("GPU_PLANNER_STAGING_MIN_DESCRIPTORS", "1")  # the gate stages it, as the CLI
     figures = gathered_slice.measure(
         "tp4_to_tp2", layers=1, num_tokens=128, budget_s=0.0, verify=True
     )
