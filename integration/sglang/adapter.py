@@ -17,6 +17,7 @@ hooked call's `SendProgress` before it starts (the hook contract: `fallback`).
 
 from __future__ import annotations
 
+import functools
 import logging
 
 from sglang.srt.disaggregation.mooncake import conn
@@ -63,21 +64,8 @@ def sglang_handoff(wrapper: object) -> handoff.Handoff:
     """
     progress = current_send()
     engine = getattr(wrapper, "engine", None)
-    try:
-        engine_form = handoff.engine_form(type(engine), "write")
-    except settings.SettingError as error:
-        raise Fallback(str(error), key="handoff unavailable") from None
-    if (
-        getattr(type(wrapper), "batch_transfer_sync", None)
-        is not MooncakeTransferEngine.batch_transfer_sync
-        or engine_form != handoff.ARRAYS
-    ):
-        if settings.loaded(settings.HANDOFF) == handoff.ARRAYS:
-            raise Fallback(
-                f"{settings.HANDOFF.name}=arrays, but the engine wrapper "
-                f"{type(wrapper).__qualname__} is not sglang's MooncakeTransferEngine",
-                key="handoff unavailable",
-            )
+    asked = settings.loaded(settings.HANDOFF)
+    if not _calls_engine_arrays(type(wrapper), type(engine), asked):
         wrapper_call = wrapper.batch_transfer_sync
 
         def write_lists(
@@ -102,3 +90,30 @@ def sglang_handoff(wrapper: object) -> handoff.Handoff:
         return status
 
     return handoff.Handoff(handoff.ARRAYS, write)
+
+
+@functools.lru_cache(maxsize=64)
+def _calls_engine_arrays(wrapper_type: type, engine_type: type, asked: str) -> bool:
+    """Whether a hook calls the engine's arrays method itself (else the wrapper, with lists).
+
+    Decided once per wrapper class, engine class and `GPU_PLANNER_HANDOFF`
+    (`asked`, all the decision reads of the knobs); `Fallback` where it asks
+    for a form the engine lacks.
+    """
+    try:
+        engine_form = handoff.engine_form(engine_type, "write")
+    except settings.SettingError as error:
+        raise Fallback(str(error), key="handoff unavailable") from None
+    if (
+        getattr(wrapper_type, "batch_transfer_sync", None)
+        is MooncakeTransferEngine.batch_transfer_sync
+        and engine_form == handoff.ARRAYS
+    ):
+        return True
+    if asked == handoff.ARRAYS:
+        raise Fallback(
+            f"{settings.HANDOFF.name}=arrays, but the engine wrapper "
+            f"{wrapper_type.__qualname__} is not sglang's MooncakeTransferEngine",
+            key="handoff unavailable",
+        )
+    return False
