@@ -1,11 +1,14 @@
 """A tiny random Llama, written at run time from a fixed seed: no download.
 
 Two layers (or as many as asked), grouped-query attention (4 query heads, 2 KV heads of 16 dims,
-or as many KV heads as asked: 1 makes a TP 2 server hold two replicas of it), a 512-token
-vocabulary, bfloat16 safetensors. The servers run with
-`--skip-tokenizer-init` and take token ids, so no tokenizer is written. The
-weights are drawn wider than Hugging Face's default (std 0.5, not 0.02) so the
-greedy next token has a clear margin and a wrong KV page changes it.
+or as many KV heads as asked), a 512-token vocabulary, bfloat16 safetensors. On a CPU, sglang
+pads the heads of a TP size that does not divide them (`adjust_config_with_unaligned_cpu_tp`:
+1 KV head at TP 2 becomes 2, one of them zero weights) instead of replicating them, so a
+TP 2 server of a 1-KV-head model holds no replicas, and its rank 1 sends the padding head's
+KV over the real one's (sglang's own PD then gives other tokens from run to run).
+The servers run with `--skip-tokenizer-init` and take token ids, so no tokenizer is
+written. The weights are drawn wider than Hugging Face's default (std 0.5, not 0.02) so
+the greedy next token has a clear margin and a wrong KV page changes it.
 """
 
 from __future__ import annotations

@@ -249,9 +249,11 @@ def test_a_room_retried_after_an_abort_is_token_identical(deployment, plain_toke
             decode_status, decode_body = decode_reply.result(timeout=ABORT_ANSWERED_WITHIN_S)
         finally:
             go.touch()  # the held note goes to the decode, for a lending that has ended
+        # The prefill may have failed the request already (the decode's abort reached it):
+        # its thread goes on once the scaffolding took `go`.
+        _wait_for(lambda: not go.exists(), "the held note never went", timeout_s=30.0)
         prefill_reply.result(timeout=DEAD_PEER_FAILS_WITHIN_S)
     written.unlink()
-    go.unlink()
     assert not hold.exists(), "the scaffolding did not take the flag"
     assert _aborted(decode_status, decode_body), (decode_status, decode_body)
     dropped = "gpu_planner:receive_staging_fallbacks_total{reason=staged note for no live lending}"

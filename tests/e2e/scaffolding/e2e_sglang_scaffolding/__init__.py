@@ -24,12 +24,13 @@ nothing without it:
 - The killed-decode check: when `E2E_STALL_STAGED_FLAG` names a file, the
   prefill's next staged send after that file appears writes its chunk and
   sends its note, then creates `<flag>.written` and holds its transfer
-  thread until `<flag>.go` exists (at most `STALL_LIMIT_S`): the test kills
+  thread until `<flag>.go` exists (at most `STALL_LIMIT_S`; it deletes
+  `<flag>.go` when it goes on): the test kills
   the decode in between, so the request's next chunk meets a dead peer.
 - The retried-room check: when `E2E_HOLD_NOTE_FLAG` names a file, the
   prefill's next staged send after that file appears writes its chunk, creates
   `<flag>.written` and holds its note (and its transfer thread) until
-  `<flag>.go` exists (at most `STALL_LIMIT_S`), then sends the note: the test
+  `<flag>.go` exists (deleting it, as above), then sends the note: the test
   aborts the request on the decode in between, so the note arrives for a
   lending that has ended.
 """
@@ -125,11 +126,12 @@ def _holding_notify(notify):
 
 
 def _hold(flag: str) -> None:
-    """Create `<flag>.written`, then wait until `<flag>.go` exists (at most STALL_LIMIT_S)."""
+    """Create `<flag>.written`, then wait until `<flag>.go` exists (at most STALL_LIMIT_S) and
+    delete it: a test that sees it gone knows the thread goes on."""
     Path(f"{flag}.written").touch()
-    go = Path(f"{flag}.go")
+    go = f"{flag}.go"
     deadline = time.monotonic() + STALL_LIMIT_S
-    while not go.exists() and time.monotonic() < deadline:
+    while not _claim_flag(go) and time.monotonic() < deadline:
         time.sleep(0.05)
 
 
