@@ -298,9 +298,10 @@ class ReceiveRegion:
         if sorted(staged.entries.tolist()) != list(range(self._num_buffers)):
             raise ValueError(f"entries {staged.entries.tolist()}: not every KV buffer once")
         expected_device = lending.device_buffers[staged.entries]
-        if (staged.is_device != expected_device).any():
-            entry = int(staged.entries[np.flatnonzero(staged.is_device != expected_device)[0]])
-            space = "device" if expected_device[staged.entries.tolist().index(entry)] else "host"
+        wrong = np.flatnonzero(staged.is_device != expected_device)
+        if wrong.size:
+            entry = int(staged.entries[wrong[0]])
+            space = "device" if expected_device[wrong[0]] else "host"
             raise ValueError(f"buffer {entry} takes the request's {space} pages, not the note's")
         unit = staged.writers * int(self._kv.page_size)
         item_lens = np.asarray(self._kv.kv_item_lens, dtype=np.int64)

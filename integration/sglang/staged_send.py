@@ -353,6 +353,7 @@ def send_staged(
     if first_slot is None:
         return _not_staged("every send staging slot is lent to other sends")
     page_lens = entries.src_page_lens
+    chunk_page_bytes = int(page_lens.sum())
     gather_layout = _gather_layout(tuple(entries.src_ptrs.tolist()), tuple(page_lens.tolist()))
     engine_handoff = sglang_handoff(manager.engine)
     reservation = route.reservation
@@ -378,7 +379,7 @@ def send_staged(
             columns = (
                 np.array([staging.slot(slot).data_ptr()], dtype=np.int64),
                 np.array([dst], dtype=np.int64),
-                np.array([count * int(page_lens.sum())], dtype=np.int64),
+                np.array([count * chunk_page_bytes], dtype=np.int64),
             )
             lease.write(slot, executor, engine_handoff, session, ready, columns)
         status = manager._await_transfer_futures(futures)  # slots of ended calls back on return
