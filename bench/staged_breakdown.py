@@ -37,10 +37,9 @@ from bench.live_submit import live_peer
 from bench.staged_send import (
     RUN_PAGES,
     SPARE_PAGES,
-    STAGING_KNOBS,
     StagedSendBench,
-    knobs,
     offered,
+    plugin_defaults,
 )
 from gpu_planner.integration.mooncake.engine import QUIET_ENV, TCP_ONLY_ENV, set_mooncake_defaults
 
@@ -158,7 +157,7 @@ def main() -> None:
     set_mooncake_defaults(QUIET_ENV, TCP_ONLY_ENV)
     pool_pages = args.pages + SPARE_PAGES + args.pages % RUN_PAGES
     peer_bytes = args.buffers * (pool_pages + args.pages) * args.item_len
-    with knobs(STAGING_KNOBS), live_peer(peer_bytes) as peer:
+    with plugin_defaults(), live_peer(peer_bytes) as peer:
         bench = StagedSendBench(args.pages, args.buffers, peer, args.item_len)
         result = breakdown(bench, args.repeats)
     result.update(buffers=args.buffers, pages=args.pages, item_len=args.item_len)

@@ -1,23 +1,30 @@
-"""Fragmented generic sends to a live peer: sglang's, the hook's, and through receive staging.
+"""Fragmented generic sends to a live peer: sglang's, the hook's direct and staged, and the one
+the plugin's defaults choose.
 
 A live peer engine in another process (`bench.live_submit.live_peer`, TCP on
 127.0.0.1) takes every byte. DeepSeek-like MLA KV: `--buffers` (61) buffers,
 one per layer, page size 16, 576 dims of bf16 per token (18,432 bytes per
 page), real source buffers of random bytes; `--pages` (256: 4k tokens) pages
 on each side in runs of two pages, shuffled, so about 128 runs per buffer
-(61 x 128 = 7,808 descriptors at the default). Variants, interleaved:
+(61 x 128 = 7,808 descriptors at the default). The plugin runs with its
+defaults (the gate's knobs unset for the run, 128 MiB of send staging: 32 MiB
+slots). Variants, interleaved:
 
 - `sglang`: sglang's own `_send_kvcache_generic` (unhooked), into the peer's
   KV buffers;
 - `hook`: the plugin's hooked send toward a decode that offered no receive
-  staging (today's path: merged runs, arrays hand-off);
+  staging (the direct path: merged runs, arrays hand-off);
 - `staged`: the hooked send toward a decode that advertised receive staging
   (a second part of the peer's registered region) and lent the request a
   part (`staging_wire.Reservation`, parsed by the hooked
-  `TransferInfo.from_zmq`): each slot-sized piece of pages of every buffer is
-  gathered into the prefill's send staging and written with one descriptor
-  (`GPU_PLANNER_STAGING_MIN_DESCRIPTORS=1`, `GPU_PLANNER_GATHER_STAGING_BYTES`
-  64 MiB: 16 MiB slots);
+  `TransferInfo.from_zmq`), staged whatever it costs (`path_cost.deciding` a
+  gate that stages every send): each slot-sized piece of pages of every
+  buffer is gathered into the prefill's send staging and written with one
+  descriptor;
+- `chosen`: the same hooked send toward the same decode with the plugin's
+  defaults: the cost model (`path_cost`, its own instance, learning from this
+  variant's sends only) picks direct or staged per send. `chosen_path` is the
+  path most of its timed sends took, `figures.chosen.paths` how many took each;
 - `wire` (a reference, not a send): the staged send's engine calls alone,
   each piece written from one slot without a gather: what its bytes cost on
   this wire;
@@ -30,7 +37,8 @@ on each side in runs of two pages, shuffled, so about 128 runs per buffer
 Per variant: wall time (`bench.harness`), GIL holds and waits (`bench.gil`,
 through `bench.send_path.measure_sends`), descriptors and bytes handed to
 Mooncake (the plugin's counters; sglang's: its runs); `staged_with_scatter_s`
-(the staged send's median plus the scatter's) and the ratios to it. With
+(the staged send's median plus the scatter's), `chosen_with_scatter_s` (the
+chosen send's, plus the scatter's when it stages) and the ratios to them. With
 `--verify`, each variant first sends once into cleared peer memory, read back
 (staged: its staging scattered here), which must hold the source pages at the
 destination pages and nothing else (`landed_as_expected`).
@@ -43,11 +51,11 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import contextlib
+import dataclasses
 import inspect
 import json
 import os
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -59,8 +67,16 @@ from gpu_planner import settings
 from gpu_planner.integration.mooncake.engine import (
     QUIET_ENV,
     TCP_ONLY_ENV,
-    set_environment,
     set_mooncake_defaults,
+)
+from gpu_planner.integration.sglang.path_cost import (
+    DIRECT,
+    STAGED,
+    Choice,
+    Figures,
+    Gate,
+    PathCosts,
+    deciding,
 )
 
 PAGE_SIZE = 16
@@ -70,12 +86,9 @@ SPARE_PAGES = 16  # pool pages no send uses
 RUN_PAGES = 2
 NOTE_PORT = 17000  # where the staged note would go (the bench keeps it)
 ROOM, RESERVATION_ID = 1, 1
-STAGING_KNOBS = {
-    settings.STAGING_MIN_DESCRIPTORS.name: "1",
-    settings.STAGING_MAX_MEAN_BYTES.name: str(1 << 40),  # the bench stages every size
-    settings.GATHER_STAGING_BYTES.name: str(64 << 20),
-}
-VARIANTS = ("sglang", "hook", "staged")
+GATE_KNOBS = (settings.STAGING_MIN_DESCRIPTORS.name, settings.STAGING_MAX_MEAN_BYTES.name)
+STAGE_EVERY_SEND = Gate(min_descriptors=1, max_mean_bytes=1 << 40)  # the `staged` variant's
+VARIANTS = ("sglang", "hook", "staged", "chosen")
 TARGET_RATIO, TARGET_DESCRIPTORS = 10.0, 1000  # staged (with scatter) vs hook, from the issue
 MIN_REPEATS = 5  # samples per variant at least, interleaved: the wire is noisy on a shared machine
 
@@ -88,16 +101,31 @@ def fragmented_pages(rng: np.random.Generator, pool_pages: int, count: int) -> n
 
 
 @contextlib.contextmanager
-def knobs(values: dict[str, str]) -> Iterator[None]:
-    """gpu_planner's knobs set to `values` (and loaded) for the block, then restored (loaded)."""
+def plugin_defaults() -> Iterator[None]:
+    """gpu_planner's settings as a user's environment gives them, but the gate's knobs unset
+    (the cost model decides), loaded for the block; the environment and settings come back."""
+    saved = {name: os.environ.pop(name) for name in GATE_KNOBS if name in os.environ}
     try:
-        with set_environment(values):
-            settings.forget_loaded()
-            settings.load()
-            yield
-    finally:
         settings.forget_loaded()
         settings.load()
+        yield
+    finally:
+        os.environ.update(saved)
+        settings.forget_loaded()
+        settings.load()
+
+
+class CountedCosts(PathCosts):
+    """A cost model that counts the paths it chose (the `chosen` variant's)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.paths = dict.fromkeys((DIRECT, STAGED), 0)
+
+    def choose(self, peer: str, descriptors: int, nbytes: int, staged_pieces: int) -> Choice:
+        choice = super().choose(peer, descriptors, nbytes, staged_pieces)
+        self.paths[choice.path] += 1
+        return choice
 
 
 @contextlib.contextmanager
@@ -122,7 +150,7 @@ def offered(session: str, capability: Any) -> Iterator[None]:
                 staged_send._peers[session] = saved
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class DecodeOffer:
     """A decode's receive staging and one request's lent part, as this prefill parsed them."""
 
@@ -340,7 +368,7 @@ class StagedSendBench:
             self.wrapper, mla=True, kv_data_ptrs=self.src_ptrs,
             kv_data_lens=[source.nbytes for source in self.sources],
         )  # fmt: skip
-        self.staging = gathered.staging_for(self.manager)  # registered now, 64 MiB
+        self.staging = gathered.staging_for(self.manager)  # registered now (the default: 128 MiB)
         if isinstance(self.staging, str):
             raise RuntimeError(f"no send staging: {self.staging}")
         self.offer = offer_receive_staging(
@@ -356,6 +384,8 @@ class StagedSendBench:
         self._original = inspect.unwrap(conn.MooncakeKVManager._send_kvcache_generic)
         self._hooked = conn.MooncakeKVManager._send_kvcache_generic
         self.peer_address = peer_address
+        self.stage_every_send = PathCosts(Figures.seeded(), gate=STAGE_EVERY_SEND)
+        self.chosen_costs = CountedCosts.from_settings()  # the plugin's defaults, its own state
         self.executor = concurrent.futures.ThreadPoolExecutor(1)  # sglang's, per transfer queue
 
     def _keep_note(self, _endpoint: str, frames: list[bytes], is_ipv6: bool = False) -> None:
@@ -378,11 +408,20 @@ class StagedSendBench:
             return self._send(self._hooked, self.dst_pages)
 
     def send_staged(self) -> int:
-        with offered(self.session, self.offer.capability):
+        with offered(self.session, self.offer.capability), deciding(self.stage_every_send):
+            return self._send(self._hooked, self.staged_dst_pages)
+
+    def send_chosen(self) -> int:
+        with offered(self.session, self.offer.capability), deciding(self.chosen_costs):
             return self._send(self._hooked, self.staged_dst_pages)
 
     def variants(self) -> dict[str, Callable[[], int]]:
-        return {"sglang": self.send_sglang, "hook": self.send_hook, "staged": self.send_staged}
+        return {
+            "sglang": self.send_sglang,
+            "hook": self.send_hook,
+            "staged": self.send_staged,
+            "chosen": self.send_chosen,
+        }
 
     def wire_only(self) -> int:
         """The staged send's engine calls alone: each piece written from one slot, no gather."""
@@ -423,27 +462,24 @@ class StagedSendBench:
         )
         try:
             return {
-                name: self._lands(peer, send, name == "staged", expected)
-                for name, send in self.variants().items()
+                name: self._lands(peer, send, expected) for name, send in self.variants().items()
             }
         finally:
             peer.close()
 
-    def _lands(
-        self, peer: PeerMemory, send: Callable[[], int], staged: bool, expected: np.ndarray
-    ) -> bool:
+    def _lands(self, peer: PeerMemory, send: Callable[[], int], expected: np.ndarray) -> bool:
         """Whether `send`, into cleared peer memory, lands `expected` (staged: once scattered)."""
         peer.clear()
-        status = send()
+        sent = counted(send)
         pool = peer.read(0, self.pool_bytes)
-        if staged:
+        if any(path.startswith("staged/") for path in sent["sends"]):
             if pool.any():
                 return False  # a staged send writes the staging region only
             self.scatter.staging[:] = peer.read(self.pool_bytes, self.offer.reservation.nbytes)
             self.scatter.pool[:] = 0
             self.scatter()
             pool = self.scatter.pool
-        return status == 0 and np.array_equal(pool, expected)
+        return sent["status"] == 0 and np.array_equal(pool, expected)
 
 
 def measure(
@@ -460,7 +496,7 @@ def measure(
     set_mooncake_defaults(QUIET_ENV, TCP_ONLY_ENV)
     pool_pages = num_pages + SPARE_PAGES + num_pages % RUN_PAGES
     peer_bytes = buffers * (pool_pages + num_pages) * item_len  # the KV pool, then the region
-    with knobs(STAGING_KNOBS), live_peer(peer_bytes) as peer:
+    with plugin_defaults(), live_peer(peer_bytes) as peer:
         try:
             bench = StagedSendBench(num_pages, buffers, peer, item_len)
             landed = bench.verify() if verify else None
@@ -474,32 +510,52 @@ def measure(
                 "wire": bench.wire_only,
             }
             policy = RepeatPolicy(budget_s=budget_s, min_repeats=MIN_REPEATS, max_repeats=30)
+            before = dict(bench.chosen_costs.paths)
             figures = measure_sends(stages, policy)
+            paths = {path: n - before[path] for path, n in bench.chosen_costs.paths.items()}
             slot_bytes = bench.staging.slot_bytes
+            model = bench.chosen_costs.figures(bench.session)
         finally:
             staged_send.forget_peers()
     for name in VARIANTS:
         figures[name].update(counts[name])
+    figures["chosen"]["paths"] = paths  # its timed and GIL-watched sends, by path taken
+    chosen_path = STAGED if paths[STAGED] > paths[DIRECT] else DIRECT
     staged_s, scatter_s = figures["staged"]["median"], figures["scatter"]["median"]
     with_scatter = staged_s + scatter_s
+    chosen_s = figures["chosen"]["median"]
+    chosen_with_scatter = chosen_s + (scatter_s if chosen_path == STAGED else 0.0)
     hook_s, sglang_s = figures["hook"]["median"], figures["sglang"]["median"]
+    fastest_s = min(hook_s, with_scatter)
     result: dict[str, Any] = {
         "pages": num_pages,
         "tokens": num_pages * PAGE_SIZE,
         "buffers": buffers,
         "page_size": PAGE_SIZE,
         "item_len": item_len,
+        "descriptors": counts["hook"]["descriptors"],
         "mean_descriptor_bytes": counts["hook"]["bytes"] / counts["hook"]["descriptors"],
         "slot_bytes": slot_bytes,
         "figures": figures,
+        "chosen_path": chosen_path,
+        "faster_path": DIRECT if hook_s <= with_scatter else STAGED,
         "staged_wall_s": staged_s,
         "scatter_s": scatter_s,
         "staged_with_scatter_s": with_scatter,
+        "chosen_with_scatter_s": chosen_with_scatter,
+        "model": {  # the chosen variant's figures for this peer once the run ended
+            "direct_s": model.direct_s(counts["hook"]["descriptors"], counts["hook"]["bytes"]),
+            "staged_s": model.staged_s(len(bench.scatter.note.chunks), counts["hook"]["bytes"]),
+            "figures": dataclasses.asdict(model),
+        },
         "ratios": {
             "sglang/hook": sglang_s / hook_s,
             "hook/staged": hook_s / staged_s,
             "hook/staged_with_scatter": hook_s / with_scatter,
             "sglang/staged_with_scatter": sglang_s / with_scatter,
+            "chosen/fastest": chosen_with_scatter / fastest_s,
+            "sglang/chosen": sglang_s / chosen_with_scatter,
+            "chosen/wire": chosen_with_scatter / figures["wire"]["median"],
         },
         "target": {
             "hook/staged_with_scatter": TARGET_RATIO,

@@ -72,8 +72,10 @@ staged send's pieces), its bytes and its wall time on the prefill.
 from __future__ import annotations
 
 import collections
+import contextlib
 import math
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -441,6 +443,21 @@ def path_costs() -> PathCosts:
         if _shared is None or _shared[0] != generation:
             _shared = (generation, PathCosts.from_settings())
         return _shared[1]
+
+
+@contextlib.contextmanager
+def deciding(costs: PathCosts) -> Iterator[PathCosts]:
+    """`costs` decides every send of the block instead of the process's instance (benchmarks
+    pricing one path against the other, tests); the instance before comes back after."""
+    global _shared
+    with _shared_lock:
+        saved = _shared
+        _shared = (settings.generation(), costs)
+    try:
+        yield costs
+    finally:
+        with _shared_lock:
+            _shared = saved
 
 
 def forget_path_costs() -> None:

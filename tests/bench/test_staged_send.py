@@ -15,18 +15,38 @@ def test_the_staged_generic_send_lands_the_same_bytes_in_fewer_descriptors():
     result = staged_send.measure(num_pages=8, buffers=3, budget_s=0.0, verify=True)
 
     figures = result["figures"]
-    assert result["landed_as_expected"] == {"sglang": True, "hook": True, "staged": True}
+    assert result["landed_as_expected"] == dict.fromkeys(staged_send.VARIANTS, True)
     for name in (*staged_send.VARIANTS, "scatter", "wire"):
         assert figures[name]["repeats"] >= 2, name
     assert figures["sglang"]["sends"] == {}  # sglang's own send: the plugin counts nothing
     assert figures["hook"]["sends"] == {"generic/arrays": 1}
     assert figures["staged"]["sends"] == {"staged/arrays": 1}
     nbytes = 8 * 3 * staged_send.ITEM_LEN
-    assert [figures[name]["bytes"] for name in staged_send.VARIANTS] == [nbytes] * 3
+    assert [figures[name]["bytes"] for name in staged_send.VARIANTS] == [nbytes] * 4
     assert figures["hook"]["descriptors"] == figures["sglang"]["descriptors"] == 3 * 4  # runs of 2
     assert figures["staged"]["descriptors"] == figures["staged"]["chunks"] == 1
     assert result["staged_with_scatter_s"] > result["staged_wall_s"] > 0
     assert result["ratios"]["hook/staged_with_scatter"] > 0
+    # the defaults' choice: 12 descriptors of 36 KiB are priced (and measured) faster direct
+    assert result["chosen_path"] == "direct"
+    assert figures["chosen"]["sends"] == {"generic/arrays": 1}
+    assert figures["chosen"]["paths"]["direct"] >= figures["chosen"]["repeats"]
+    assert result["chosen_with_scatter_s"] == figures["chosen"]["median"]
+    assert result["model"]["direct_s"] < result["model"]["staged_s"]
+
+
+def test_the_chosen_send_stages_where_the_model_prices_staging_faster(monkeypatch):
+    monkeypatch.setenv("GPU_PLANNER_COST_STAGED_FIXED_US", "0")  # seeds: staging is cheaper
+    monkeypatch.setenv("GPU_PLANNER_COST_REQUEST_US", "1000")
+    monkeypatch.setenv("GPU_PLANNER_STAGING_MIN_DESCRIPTORS", "100000")  # unset for the run
+    result = staged_send.measure(num_pages=8, buffers=3, budget_s=0.0, verify=True)
+
+    figures = result["figures"]
+    assert result["landed_as_expected"] == dict.fromkeys(staged_send.VARIANTS, True)
+    assert result["chosen_path"] == "staged"
+    assert figures["chosen"]["sends"] == {"staged/arrays": 1}
+    assert figures["chosen"]["descriptors"] == 1
+    assert result["chosen_with_scatter_s"] == figures["chosen"]["median"] + result["scatter_s"]
 
 
 def test_the_staged_tp_down_slice_send_writes_one_share_of_each_slot_in_fewer_descriptors(
