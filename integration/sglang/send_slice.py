@@ -141,15 +141,14 @@ def send_kvcache_slice_hook(manager: conn.MooncakeKVManager, *args, **kwargs) ->
             dst_head_start * head_len,
             slice_len,
         )
-        tp_down = manager.attn_tp_size > call.dst_attn_tp_size
-        staged = staged_send.StagedEntries.of_head_slices(layout) if tp_down else None
-        if staged is not None:
+        if manager.attn_tp_size > call.dst_attn_tp_size:  # TP-down: may go staged
             status = staged_send.send_staged(
                 manager,
                 call.mooncake_session_id,
                 pages[0],
                 call.dst_kv_indices,
-                staged,
+                # or why its slices cannot be staged: counted toward a staging decode
+                staged_send.StagedEntries.of_head_slices(layout),
                 layout.num_layers * pages[0].size * page_size,  # one per token per buffer
                 call.executor,
             )

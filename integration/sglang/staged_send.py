@@ -185,6 +185,10 @@ def route_for(dst_pages: np.ndarray) -> tuple[Route, int] | None:
     return route, offset // itemsize
 
 
+# Why a head-sliced send's buffers cannot be staged (`StagedEntries.of_head_slices`).
+NOT_ONE_SHARE = "a head-sliced send whose prefill tokens are not each one share of a decode slot"
+
+
 @dataclass(frozen=True)
 class StagedEntries:
     """The buffers a send moves, as the staging moves them: whole source pages, buffer-major.
@@ -210,24 +214,26 @@ class StagedEntries:
         return cls(layout.src_ptrs, layout.dst_ptrs, layout.item_lens, np.array(is_device))
 
     @classmethod
-    def of_head_slices(cls, layout: HeadSliceLayout) -> StagedEntries | None:
+    def of_head_slices(cls, layout: HeadSliceLayout) -> StagedEntries | str:
         """A TP-down head-sliced send, where each prefill token is one share of a decode slot.
 
-        None where the slices are not that (a prefill rank sending part of its
-        heads, or shares that do not tile the decode slot).
+        Where the slices are not that (a prefill rank sending part of its
+        heads, shares that do not tile the decode slot, a prefill token that
+        fills a whole slot), why not (`NOT_ONE_SHARE`): `decide` counts it as
+        the reason a send toward a staging decode is not staged.
         """
         (src_ptrs, src_page_lens, src_token_lens, src_offsets) = layout.geometry[0]
         (dst_ptrs, dst_page_lens, dst_token_lens, dst_offsets) = layout.geometry[1]
         slices = layout.slice_lens
         if not slices.size or (slices <= 0).any():
-            return None
+            return NOT_ONE_SHARE
         writers = dst_token_lens // slices
         whole_source = (src_offsets == 0) & (src_token_lens == slices)
         tiles = (dst_token_lens == writers * slices) & (dst_offsets % slices == 0)
         one_share = (writers == writers[0]) & (dst_offsets // slices == dst_offsets[0] // slices[0])
         pages = dst_page_lens == layout.page_size * dst_token_lens
         if not (whole_source & tiles & one_share & pages).all() or writers[0] < 2:
-            return None
+            return NOT_ONE_SHARE
         return cls(
             src_ptrs, dst_ptrs, src_page_lens, np.zeros(len(slices), dtype=bool),
             int(writers[0]), int(dst_offsets[0] // slices[0]),
@@ -254,7 +260,7 @@ def decide(
     session: str,
     src_pages: np.ndarray,
     dst_pages: np.ndarray,
-    entries: StagedEntries,
+    entries: StagedEntries | str,
     descriptors: int,
 ) -> StagedWrite | str | None:
     """Whether a send goes staged: how, or why not (counted by the caller); None where the
@@ -268,6 +274,8 @@ def decide(
         offered = session in _peers
     if not offered or not src_pages.size:
         return None
+    if isinstance(entries, str):  # the send's buffers cannot be staged: why
+        return entries
     if dst_pages.size != src_pages.size:
         return "page lists of unequal lengths"
     if getattr(manager, "deferred_bootstrap", None) is not None:
@@ -322,7 +330,7 @@ def send_staged(
     session: str,
     src_pages: np.ndarray,
     dst_pages: np.ndarray,
-    entries: StagedEntries,
+    entries: StagedEntries | str,
     descriptors: int,
     executor: concurrent.futures.Executor,
 ) -> int | None:
@@ -334,7 +342,8 @@ def send_staged(
         src_pages: the send's prefill pages.
         dst_pages: sglang's slice of the request's decode (host) pages, as
             the send got it: its base array says which request it is.
-        entries: the buffers the send moves (`StagedEntries`).
+        entries: the buffers the send moves (`StagedEntries`), or why they cannot be
+            staged (counted as the reason, where the decode offered staging).
         descriptors: what the send would otherwise hand Mooncake (its price direct).
         executor: sglang's executor: each piece's engine call runs there, so
             that the next piece is gathered while one is on the wire.

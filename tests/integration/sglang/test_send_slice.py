@@ -30,7 +30,8 @@ from test_layer_calls import CountingPool
 from test_send_handoff import ArraysEngine, ListEngine, sglang_wrapper
 
 from gpu_planner.block_pool import BlockPool
-from gpu_planner.integration.sglang import plugin, send_slice
+from gpu_planner.integration.sglang import counters, plugin, send_slice, staged_send
+from gpu_planner.integration.sglang.staging_wire import Capability
 
 ORIGINAL_SLICE = inspect.unwrap(conn.MooncakeKVManager.send_kvcache_slice)
 ORIGINAL_SWA = inspect.unwrap(conn.MooncakeKVManager._send_swa_state_slice)
@@ -448,3 +449,45 @@ def test_one_task_sends_every_layer_in_sglangs_order(num_layers: int, workers: i
     assert executor.submitted == 1
     assert actual["status"] == expected["status"] == 0
     assert actual["calls"] == expected["calls"]  # one after another: sglang's order exactly
+
+
+@pytest.mark.parametrize("offered", [True, False], ids=["staging decode", "plain decode"])
+def test_a_tp_down_send_that_cannot_be_staged_is_counted(monkeypatch, offered: bool):
+    """TP 2 -> 1 with one KV head (replicated): each prefill token fills a whole decode token
+    slot, no share of it, so the slices cannot be staged. Toward a decode that offers receive
+    staging the send goes as sglang's, counted `not staged: <why>`; toward one that does not,
+    as sglang's, counted nothing."""
+    monkeypatch.setattr(staged_send, "_peers", {})
+    if offered:
+        staged_send._peers[SESSION] = Capability(address=2**50, nbytes=1 << 20)
+    scenario = {
+        "kv_args": {
+            "kv_data_ptrs": buffer_ptrs(SRC_BASE, 2),
+            "kv_data_lens": [BUFFER_SPAN] * 2,
+            "kv_item_lens": [4 * 16] * 2,  # page 4, one head of 16 bytes
+            "kv_layer_ids": [],
+            "page_size": 4,
+            "engine_rank": 1,
+            "kv_head_num": 1,
+            "total_kv_head_num": 1,
+        },
+        "call": {
+            "mooncake_session_id": SESSION,
+            "prefill_kv_indices": np.array([5, 2, 9]),
+            "dst_kv_ptrs": buffer_ptrs(DST_BASE, 2),
+            "dst_kv_indices": np.array([1, 7, 3]),
+            "dst_tp_rank": 0,
+            "dst_attn_tp_size": 1,
+            "dst_kv_item_len": 4 * 16,
+        },
+        "manager": {},
+        "tp": 2,
+    }
+    key = f"not staged: {staged_send.NOT_ONE_SHARE}"
+    expected = run(ORIGINAL_SLICE, scenario, ArraysEngine(), ONE_THREAD)
+    before = counters.snapshot()["fallbacks"]
+    actual = run(conn.MooncakeKVManager.send_kvcache_slice, scenario, ArraysEngine(), ONE_THREAD)
+    after = counters.snapshot()["fallbacks"]
+    assert actual == expected and expected["status"] == 0 and len(expected["calls"]) == 2
+    assert after.get(key, 0) - before.get(key, 0) == (1 if offered else 0)
+    assert {reason for reason in after if reason.startswith("not staged:")} <= set(before) | {key}
