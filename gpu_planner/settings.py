@@ -270,17 +270,20 @@ STAGING_MIN_DESCRIPTORS = Setting(
     64,
     _count(1),
     "an integer >= 1",
-    "a prefill writes a send through the decode's receive staging only when it would "
-    "otherwise take at least this many descriptors (fewer: sent as planned, counted)",
+    "set explicitly: overrides the cost model (gate): a prefill writes a send through the "
+    "decode's receive staging only when it would otherwise take at least this many descriptors "
+    "(fewer: sent as planned, counted); either knob set, the gate of both decides; neither "
+    "set, the send-path cost model chooses",
 )
 STAGING_MAX_MEAN_BYTES = Setting(
     "GPU_PLANNER_STAGING_MAX_MEAN_BYTES",
     64 << 10,
     _count(1),
     "an integer >= 1",
-    "a prefill writes a send through the decode's receive staging only when its descriptors "
-    "would average at most this many bytes (larger ones gain less than the gather and scatter "
-    "cost: sent as planned, counted)",
+    "set explicitly: overrides the cost model (gate): a prefill writes a send through the "
+    "decode's receive staging only when its descriptors would average at most this many bytes "
+    "(larger ones gain less than the gather and scatter cost: sent as planned, counted); "
+    "either knob set, the gate of both decides; neither set, the send-path cost model chooses",
 )
 COST_DIRECT_FIXED_US = Setting(
     "GPU_PLANNER_COST_DIRECT_FIXED_US",
