@@ -32,7 +32,11 @@ observation off its price by a factor q weighs 1/q of an ordinary one, so one
 send's pull on a figure is at most an ordinary send's share whatever its time
 (a stall, a sample of a bimodal wire), while a lasting change is learned
 within tens of sends.
-The solved figures are clamped to physical ranges. A peer's first send of
+The solved figures are clamped to physical ranges. A choice solves the fit
+again after every observation for a peer's first `HALF_LIFE` sends, then once
+per `SOLVE_EVERY` observations (a solve costs about 50 us on the 2-core CPU,
+a 32-descriptor send about 0.6 ms; the figures move by a few percent per 8
+sends). A peer's first send of
 each path is not learned from (it pays Mooncake's connection to the peer and
 first-use costs: one such send once moved the staged price of a test's peer
 from 4.9 to 15.6 ms). Only successful sends update (`observe(..., ok=False)`
@@ -89,6 +93,7 @@ PATHS = (DIRECT, STAGED)
 
 MAX_PEERS = 256  # peers whose figures are kept (least recently used dropped)
 HALF_LIFE = 32  # observations of one path to one peer after which a send weighs half
+SOLVE_EVERY = 8  # past a peer's first HALF_LIFE sends, its choices solve once per 8 observations
 PROBE_MAX_LOSS = 0.25  # a probe's path is priced at most this much slower than the other
 NOISE = 0.3  # relative spread of one send's time around its price (weighs data against seeds)
 SEED_SPREAD = 1.0  # a seed's relative uncertainty (the prior's width)
@@ -265,7 +270,7 @@ PASSES_GATE = "passes the gate (GPU_PLANNER_STAGING_* set)"
 class _Peer:
     """One peer's learning state: fixed size, whatever the number of its sends."""
 
-    __slots__ = ("moments", "targets", "sends", "warm", "since", "figures", "stale")
+    __slots__ = ("moments", "targets", "sends", "warm", "since", "figures", "unsolved")
 
     def __init__(self, seeds: Figures) -> None:
         self.moments = np.zeros((len(PATHS), _LEARNED, _LEARNED))  # per path: sum of w z z^T
@@ -274,7 +279,7 @@ class _Peer:
         self.warm = [False, False]  # a first send of the path came (and was not learned from)
         self.since = [0, 0]  # choices since each path was last chosen (capped at the interval)
         self.figures = seeds  # the last solved figures
-        self.stale = False  # an observation came since they were solved
+        self.unsolved = 0  # observations since they were solved
 
 
 class PathCosts:
@@ -322,7 +327,7 @@ class PathCosts:
         """
         with self._lock:
             state = self._peer(peer)
-            figures = self._figures(state)
+            figures = self._figures(state, SOLVE_EVERY if sum(state.sends) > HALF_LIFE else 1)
             direct_s = figures.direct_s(descriptors, nbytes)
             staged_s = figures.staged_s(staged_pieces, nbytes)
             if self.gate is not None:
@@ -379,7 +384,7 @@ class PathCosts:
             state.targets[index] *= _DECAY
             state.targets[index] += weight * seconds * features
             state.sends[index] += 1
-            state.stale = True  # solved at the next choice: an observation costs no solve
+            state.unsolved += 1  # solved at a later choice: an observation costs no solve
         counters.record_path_time(path, predicted, seconds)
         return True
 
@@ -409,9 +414,10 @@ class PathCosts:
             self._peers.move_to_end(peer)
         return state
 
-    def _figures(self, state: _Peer) -> Figures:
-        if state.stale:
-            state.stale = False
+    def _figures(self, state: _Peer, every: int = 1) -> Figures:
+        """The state's figures, solved again once `every` observations came since the last."""
+        if state.unsolved >= every:
+            state.unsolved = 0
             matrix = self._prior + state.moments.sum(axis=0)
             target = self._prior_target + state.targets.sum(axis=0)
             solved = np.linalg.solve(matrix, target) * self._scale
