@@ -217,7 +217,14 @@ def _source_limits(
 
 def registered_room(kv_args: Any, ptrs: np.ndarray) -> np.ndarray:
     """Bytes from each pointer (int64) to the end of a registered region holding it; <= 0: none."""
-    return _room(_regions(*registration(kv_args)), ptrs)
+    return registered_room_of(registration(kv_args), ptrs)
+
+
+def registered_room_of(
+    registered: tuple[tuple[int, ...], tuple[int, ...]], ptrs: np.ndarray
+) -> np.ndarray:
+    """`registered_room` of a `registration(kv_args)` (its pointers and lengths)."""
+    return _room(_regions(*registered), ptrs)
 
 
 def _room(regions: tuple[np.ndarray, np.ndarray], ptrs: np.ndarray) -> np.ndarray:

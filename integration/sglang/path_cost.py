@@ -94,6 +94,7 @@ PATHS = (DIRECT, STAGED)
 MAX_PEERS = 256  # peers whose figures are kept (least recently used dropped)
 HALF_LIFE = 32  # observations of one path to one peer after which a send weighs half
 SOLVE_EVERY = 8  # past a peer's first HALF_LIFE sends, its choices solve once per 8 observations
+# (and its observations are folded into the sums 8 at a time, or at a solve)
 PROBE_MAX_LOSS = 0.25  # a probe's path is priced at most this much slower than the other
 NOISE = 0.3  # relative spread of one send's time around its price (weighs data against seeds)
 SEED_SPREAD = 1.0  # a seed's relative uncertainty (the prior's width)
@@ -270,7 +271,7 @@ PASSES_GATE = "passes the gate (GPU_PLANNER_STAGING_* set)"
 class _Peer:
     """One peer's learning state: fixed size, whatever the number of its sends."""
 
-    __slots__ = ("moments", "targets", "sends", "warm", "since", "figures", "unsolved")
+    __slots__ = ("moments", "targets", "sends", "warm", "since", "figures", "unsolved", "pending")
 
     def __init__(self, seeds: Figures) -> None:
         self.moments = np.zeros((len(PATHS), _LEARNED, _LEARNED))  # per path: sum of w z z^T
@@ -280,6 +281,9 @@ class _Peer:
         self.since = [0, 0]  # choices since each path was last chosen (capped at the interval)
         self.figures = seeds  # the last solved figures
         self.unsolved = 0  # observations since they were solved
+        # Observations not yet in the sums: (path index, requests, bytes, seconds, predicted),
+        # at most SOLVE_EVERY (folded in at once: a send's observation costs no NumPy call).
+        self.pending: list[tuple[int, int, int, float, float]] = []
 
 
 class PathCosts:
@@ -366,10 +370,6 @@ class PathCosts:
         if not (ok and requests >= 1 and nbytes >= 0 and math.isfinite(seconds) and seconds > 0):
             return False
         index = PATHS.index(path)
-        staged = index == PATHS.index(STAGED)
-        features = self._scale * (
-            (1.0 - staged, float(staged), requests, nbytes, nbytes if staged else 0.0)
-        )  # each term's price at the seeds' scale: the fit solves for figure / scale
         with self._lock:
             state = self._peer(peer)
             if not state.warm[index]:  # it paid the peer's connection and first-use costs
@@ -377,16 +377,44 @@ class PathCosts:
                 return False
             predicted = state.figures.send_s(path, requests, nbytes)  # solved at the last choice
             predicted = max(predicted, 1e-12)
-            ratio = seconds / predicted
-            weight = 1.0 / (predicted**2 * max(ratio, 1 / ratio) * NOISE**2)
-            state.moments[index] *= _DECAY
-            state.moments[index] += weight * features[:, None] * features
-            state.targets[index] *= _DECAY
-            state.targets[index] += weight * seconds * features
+            state.pending.append((index, requests, nbytes, seconds, predicted))
+            if len(state.pending) >= SOLVE_EVERY:
+                self._fold(state)
             state.sends[index] += 1
             state.unsolved += 1  # solved at a later choice: an observation costs no solve
         counters.record_path_time(path, predicted, seconds)
         return True
+
+    def _fold(self, state: _Peer) -> None:
+        """Add the pending observations to the sums, in order, as one NumPy update per path.
+
+        Each observation's features are its terms' prices at the seeds' scale
+        (the fit solves for figure / scale); it weighs 1 / (price^2 q NOISE^2)
+        for a time off its price by a factor q, and every later observation of
+        its path decays it by `_DECAY`.
+        """
+        if not state.pending:
+            return
+        rows = np.array(state.pending, dtype=np.float64)
+        state.pending.clear()
+        for index in range(len(PATHS)):
+            mine = rows[rows[:, 0] == index]
+            count = len(mine)
+            if not count:
+                continue
+            requests, nbytes, seconds, predicted = mine[:, 1:].T
+            staged = float(index == PATHS.index(STAGED))
+            features = self._scale * np.column_stack(
+                [np.full(count, 1.0 - staged), np.full(count, staged), requests, nbytes,
+                 nbytes * staged]
+            )  # fmt: skip
+            ratio = seconds / predicted
+            weight = 1.0 / (predicted**2 * np.maximum(ratio, 1 / ratio) * NOISE**2)
+            weight *= _DECAY ** np.arange(count - 1, -1, -1)  # the later ones decay it
+            state.moments[index] *= _DECAY**count
+            state.moments[index] += (features.T * weight) @ features
+            state.targets[index] *= _DECAY**count
+            state.targets[index] += features.T @ (weight * seconds)
 
     def figures(self, peer: str | None = None) -> Figures:
         """`peer`'s current figures (the seeds for a peer not kept, or without one)."""
@@ -400,9 +428,13 @@ class PathCosts:
             return list(self._peers)
 
     def state_bytes(self) -> int:
-        """Bytes of the learning state's arrays: bounded by `max_peers`, not by sends."""
+        """Bytes of the learning state (its pending observations at their most, `SOLVE_EVERY`):
+        bounded by `max_peers`, not by sends."""
+        pending_bytes = SOLVE_EVERY * 5 * 8
         with self._lock:
-            return sum(s.moments.nbytes + s.targets.nbytes for s in self._peers.values())
+            return sum(
+                s.moments.nbytes + s.targets.nbytes + pending_bytes for s in self._peers.values()
+            )
 
     def _peer(self, peer: str) -> _Peer:
         state = self._peers.get(peer)
@@ -418,6 +450,7 @@ class PathCosts:
         """The state's figures, solved again once `every` observations came since the last."""
         if state.unsolved >= every:
             state.unsolved = 0
+            self._fold(state)
             matrix = self._prior + state.moments.sum(axis=0)
             target = self._prior_target + state.targets.sum(axis=0)
             solved = np.linalg.solve(matrix, target) * self._scale

@@ -34,6 +34,7 @@ planned, counted.
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import threading
 import time
 import weakref
@@ -205,6 +206,22 @@ class StagedEntries:
     writers: int = 1
     writer: int = 0
 
+    # What every send of these entries reads, computed on first use (the entries of a
+    # generic send are built once per layout, `send.PlannedBuffers`).
+    @functools.cached_property
+    def chunk_page_bytes(self) -> int:
+        """Bytes of one page of every entry: a staged chunk's bytes per page."""
+        return int(self.src_page_lens.sum())
+
+    @functools.cached_property
+    def keys(self) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+        """(source pointers, destination pointers, page lengths) as tuples: cache keys."""
+        return (
+            tuple(self.src_ptrs.tolist()),
+            tuple(self.dst_ptrs.tolist()),
+            tuple(self.src_page_lens.tolist()),
+        )
+
     @classmethod
     def of_plan(cls, layout: BufferLayout, dst_device_ptrs: set[int] | None) -> StagedEntries:
         """A generic send's planned buffers (HiSparse: sglang's device-backed set)."""
@@ -304,12 +321,12 @@ def decide(
     staging = staging_for(manager)
     if isinstance(staging, str):
         return f"no send staging: {staging}"
-    chunk_page_bytes = int(entries.src_page_lens.sum())
+    chunk_page_bytes = entries.chunk_page_bytes
     pages_per_slot = staging.slot_bytes // chunk_page_bytes
     if pages_per_slot == 0:
         return f"a page of every buffer ({chunk_page_bytes} bytes) exceeds a slot"
-    src_lens = bounds.registered_room(manager.kv_args, entries.src_ptrs)
-    if (src_lens < 0).any():
+    src_lens = _registered_room(bounds.registration(manager.kv_args), entries.keys[0])
+    if src_lens is None:
         return "a source buffer outside the prefill's registered memory"
     chunks = [
         (first, min(pages_per_slot, num_pages - first))
@@ -361,9 +378,9 @@ def send_staged(
     first_slot = staging.try_take()
     if first_slot is None:
         return _not_staged("every send staging slot is lent to other sends")
-    page_lens = entries.src_page_lens
-    chunk_page_bytes = int(page_lens.sum())
-    gather_layout = _gather_layout(tuple(entries.src_ptrs.tolist()), tuple(page_lens.tolist()))
+    chunk_page_bytes = entries.chunk_page_bytes
+    src_key, _, page_lens_key = entries.keys
+    gather_layout = _gather_layout(src_key, page_lens_key)
     engine_handoff = sglang_handoff(manager.engine)
     reservation = route.reservation
     part, _ = writer_part(reservation.nbytes, entries.writers, entries.writer)
@@ -459,10 +476,24 @@ def _decode_entries(
     return _entry_ids(
         tuple(decode.dst_kv_ptrs),
         tuple(decode.dst_kv_item_lens) or (int(decode.dst_kv_item_len),) * len(decode.dst_kv_ptrs),
-        tuple(entries.dst_ptrs.tolist()),
-        tuple(entries.src_page_lens.tolist()),
+        entries.keys[1],
+        entries.keys[2],
         entries.writers,
     )
+
+
+@settings.sized_cache(settings.LAYOUT_CACHE_SIZE)
+def _registered_room(
+    registration: tuple[tuple[int, ...], tuple[int, ...]], src_ptrs: tuple[int, ...]
+) -> np.ndarray | None:
+    """Each source buffer's registered bytes from its pointer (read-only); None where one lies
+    outside the prefill's registered memory. The same for every send of these buffers under
+    one registration (`bounds.registration`: what it reads of `kv_args`)."""
+    room = bounds.registered_room_of(registration, np.asarray(src_ptrs, dtype=np.int64))
+    if (room < 0).any():
+        return None
+    room.flags.writeable = False
+    return room
 
 
 @settings.sized_cache(settings.LAYOUT_CACHE_SIZE)

@@ -14,6 +14,7 @@ import subprocess
 import sys
 import threading
 
+import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -320,6 +321,26 @@ def test_figures_stay_in_physical_ranges_whatever_is_observed():
 
 
 # --- bounded, and one peer's failures stay its own -----------------------------------------
+
+
+def test_observations_folded_at_once_learn_what_one_at_a_time_would():
+    """The pending observations are folded into the sums per path, in order, with the decay
+    of each later one: the same sums as folding each as it comes."""
+    at_once, one_by_one = model(TCP), model(TCP)
+    for number in range(3 * path_cost.SOLVE_EVERY + 5):
+        path = STAGED if number % 3 == 0 else DIRECT
+        requests = 1 if path == STAGED else 64 + number
+        nbytes = (number + 1) * 40_000
+        seconds = TCP.send_s(path, requests, nbytes) * (1 + (number % 5) / 4)
+        for costs in (at_once, one_by_one):
+            costs.observe("peer", path, requests, nbytes, seconds)
+        one_by_one._fold(one_by_one._peers["peer"])
+    assert at_once._peers["peer"].pending  # not all folded yet
+    at_once._fold(at_once._peers["peer"])
+    for name in ("moments", "targets"):
+        folded, each = (getattr(c._peers["peer"], name) for c in (at_once, one_by_one))
+        assert folded.any()
+        assert np.allclose(folded, each, rtol=1e-12, atol=0), name
 
 
 def test_its_state_is_bounded_under_10000_sends_to_100_peers():
