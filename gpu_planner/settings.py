@@ -291,42 +291,44 @@ COST_DIRECT_FIXED_US = Setting(
     _number(0),
     "microseconds >= 0",
     "the send-path cost model's seed for a direct send's fixed cost (every peer starts from it "
-    "and learns its own from its completed sends; measured: 0.73 ms for 32 descriptors of 8 KiB "
-    "over loopback TCP, less their requests and bytes)",
+    "and learns its own from its completed sends; measured (bench.staged_sweep, loopback TCP): "
+    "about 0.1-0.15 ms, 32-descriptor sends less their requests and bytes)",
 )
 COST_STAGED_FIXED_US = Setting(
     "GPU_PLANNER_COST_STAGED_FIXED_US",
-    4500.0,
+    1400.0,
     _number(0),
     "microseconds >= 0",
     "the cost model's seed for a staged send's fixed cost on the prefill (learned per peer; "
-    "measured: 3-5 ms, staged sends of 32-488 descriptors over loopback TCP less their bytes, "
-    "2026-12-03)",
+    "measured (bench.staged_sweep, loopback TCP): 1.5 ms for a staged send of 32 KiB, "
+    "0.6-1.7 ms fitted at 128-512 descriptors)",
 )
 COST_REQUEST_US = Setting(
     "GPU_PLANNER_COST_REQUEST_US",
-    15.0,
+    40.0,
     _number(0, inclusive=False),
     "microseconds > 0",
     "the cost model's seed for one Mooncake request (descriptor or staged piece) to a peer "
-    "(learned per peer; measured: 14-23 us over loopback TCP at 32-2,000 descriptors, about "
-    "40-64 us at 7,808; RDMA: a few us)",
+    "(learned per peer; measured (bench.staged_sweep, loopback TCP): 40-60 us at 32-8,192 "
+    "descriptors, 14-23 us on a quieter day; RDMA: a few us)",
 )
 COST_LINK_GB_S = Setting(
     "GPU_PLANNER_COST_LINK_GB_S",
     1.6,
     _number(0, inclusive=False),
     "GB/s (10^9 bytes per second) > 0",
-    "the cost model's seed for the link's bandwidth to a peer (learned per peer; measured: "
-    "1.6-1.8 GB/s over loopback TCP; RDMA: 25-50 GB/s)",
+    "the cost model's seed for the link's bandwidth to a peer: a direct send's bytes, and with "
+    "the gather in series a staged send's (each learned per peer from its own path's sends; "
+    "measured: 1.6-1.8 GB/s over loopback TCP; RDMA: 25-50 GB/s)",
 )
 COST_GATHER_GB_S = Setting(
     "GPU_PLANNER_COST_GATHER_GB_S",
     4.0,
     _number(0, inclusive=False),
     "GB/s > 0",
-    "the cost model's seed for the staged send's gather on the prefill's KV device (learned "
-    "per peer; measured on the 2-core CPU: about 4 GB/s; a GPU gathers at hundreds of GB/s)",
+    "the cost model's seed for the staged send's gather on the prefill's KV device (in series "
+    "with the link: the staged bytes' seed, learned per peer; measured on the 2-core CPU: "
+    "about 4 GB/s; a GPU gathers at hundreds of GB/s)",
 )
 COST_SCATTER_GB_S = Setting(
     "GPU_PLANNER_COST_SCATTER_GB_S",
@@ -334,15 +336,15 @@ COST_SCATTER_GB_S = Setting(
     _number(0, inclusive=False),
     "GB/s > 0",
     "the cost model's figure for the decode's scatter of a staged send (the prefill never sees "
-    "it: not learned; measured on the 2-core CPU: 4-5.5 GB/s)",
+    "it: not learned; measured on the 2-core CPU: 4-5.5 GB/s, 4.1 GB/s at 512 MiB)",
 )
 COST_SCATTER_FIXED_US = Setting(
     "GPU_PLANNER_COST_SCATTER_FIXED_US",
-    300.0,
+    500.0,
     _number(0),
     "microseconds >= 0",
     "the cost model's figure for the decode scatter's fixed cost (not learned; measured on the "
-    "2-core CPU: 0.3 ms for 128-256 KiB)",
+    "2-core CPU: 0.3 ms for 128-256 KiB on a quiet day, 0.6 ms for 32 KiB in bench.staged_sweep)",
 )
 COST_PROBE_INTERVAL = Setting(
     "GPU_PLANNER_COST_PROBE_INTERVAL",

@@ -9,20 +9,26 @@ cheaper one; `path_costs()` is the process's one instance.
 **The model**, per peer (the decode's Mooncake session), in seconds:
 
     direct = direct_fixed + request * descriptors + bytes / link
-    staged = staged_fixed + request * pieces + bytes / link + bytes / gather
+    staged = staged_fixed + request * pieces + bytes / staged_bytes
              + scatter_fixed + bytes / scatter
 
-`request` and `link` are the link's to that peer, shared by both paths;
-`gather` is this device's, as sends to that peer see it. Every figure but the
-decode's scatter is learned per peer from this process's own completed sends
-(`observe`): the prefill never sees the scatter, so `scatter_fixed` and
-`scatter` stay their settings (docs/settings.md). Seeds, from the 2-core CPU
-machine over loopback TCP (`bench.staged_send`, docs/benchmarks.md and the
-design brief's "What a send costs here, by size"): direct fixed 0.1 ms (0.73 ms
-for 32 descriptors of 8 KiB, less their requests and bytes), 15 us per request
-(14-23 us at 32-2,000 descriptors), link 1.6 GB/s (1.6-1.8 GB/s bulk), staged
-fixed 4.5 ms (3-5 ms on 2026-12-03, being reduced: it is learned), gather
-4 GB/s and scatter 4 GB/s + 0.3 ms (4-5.5 GB/s; 0.3 ms at 128-256 KiB).
+`request` is the link's per Mooncake request to that peer, shared by both
+paths; `link` what a byte costs in the direct path's descriptors, and
+`staged_bytes` what it costs staged (the gather on this device and the
+slot-sized writes, together): each path's bytes are learned from its own
+sends, since a byte in a 64 KiB descriptor and one in a 32 MiB piece do not
+cost the same (`bench.staged_sweep`: loopback TCP moved 64 KiB descriptors at
+about 1 GB/s against 1.5 GB/s for the pieces; one shared figure priced the
+staged sends of 64 KiB descriptors 60% high, and they went direct, 20-40%
+slower). Every figure but the decode's scatter is learned per peer from this
+process's own completed sends (`observe`): the prefill never sees the
+scatter, so `scatter_fixed` and `scatter` stay their settings
+(docs/settings.md). Seeds (`bench.staged_sweep` on the 2-core CPU machine over
+loopback TCP, docs/benchmarks.md): direct fixed 0.1 ms, 40 us per request
+(40-60 us at 32-8,192 descriptors), link 1.6 GB/s (1.6-1.8 GB/s bulk); staged
+fixed 1.4 ms (a 32-descriptor staged send, 1.5 ms), gather 4 GB/s (the staged
+bytes' seed is link and gather in series: 1.14 GB/s, 1.09 measured at
+512 MiB); scatter 4 GB/s + 0.5 ms (4.1 GB/s at 512 MiB; 0.6 ms at 32 KiB).
 
 **Learning.** For each peer, a ridge fit of the five learned figures, with the
 seeds as its prior: per path, exponentially weighted sums of the send's
@@ -104,11 +110,11 @@ PRICED_FASTER = "staging priced faster"
 
 _DECAY = 0.5 ** (1 / HALF_LIFE)
 # The learned figures, as a vector: seconds per send (direct, staged), per request, per byte
-# on the link, per byte gathered. Clamped to these ranges (1 MB/s-10 TB/s links, 10 ns-10 ms
-# requests, fixed costs up to 1 s) unless a seed lies outside them.
-_LOWER = np.array([0.0, 0.0, 1e-8, 1e-13, 1e-14])
-_UPPER = np.array([1.0, 1.0, 1e-2, 1e-6, 1e-7])
-_SCALE_FLOOR = np.array([1e-5, 1e-5, 1e-7, 1e-13, 1e-14])  # a zero seed still learns
+# direct, per byte staged. Clamped to these ranges (1 MB/s-10 TB/s, 10 ns-10 ms requests,
+# fixed costs up to 1 s) unless a seed lies outside them.
+_LOWER = np.array([0.0, 0.0, 1e-8, 1e-13, 1e-13])
+_UPPER = np.array([1.0, 1.0, 1e-2, 1e-6, 1e-6])
+_SCALE_FLOOR = np.array([1e-5, 1e-5, 1e-7, 1e-13, 1e-13])  # a zero seed still learns
 _LEARNED = len(_LOWER)
 
 
@@ -119,8 +125,8 @@ class Figures:
     direct_fixed_s: float
     staged_fixed_s: float
     request_s: float
-    link_bytes_per_s: float
-    gather_bytes_per_s: float
+    link_bytes_per_s: float  # the direct path's bytes
+    staged_bytes_per_s: float  # the staged path's bytes: gathered and written in pieces
     scatter_fixed_s: float
     scatter_bytes_per_s: float
     sends: tuple[int, int] = (0, 0)  # successful sends observed: direct, staged
@@ -128,12 +134,14 @@ class Figures:
     @classmethod
     def seeded(cls) -> Figures:
         """The seeds the settings give (docs/settings.md: measured on the 2-core CPU, TCP)."""
+        link = settings.loaded(settings.COST_LINK_GB_S) * 1e9
+        gather = settings.loaded(settings.COST_GATHER_GB_S) * 1e9
         return cls(
             direct_fixed_s=settings.loaded(settings.COST_DIRECT_FIXED_US) / 1e6,
             staged_fixed_s=settings.loaded(settings.COST_STAGED_FIXED_US) / 1e6,
             request_s=settings.loaded(settings.COST_REQUEST_US) / 1e6,
-            link_bytes_per_s=settings.loaded(settings.COST_LINK_GB_S) * 1e9,
-            gather_bytes_per_s=settings.loaded(settings.COST_GATHER_GB_S) * 1e9,
+            link_bytes_per_s=link,
+            staged_bytes_per_s=1 / (1 / link + 1 / gather),  # gathered, then on the link
             scatter_fixed_s=settings.loaded(settings.COST_SCATTER_FIXED_US) / 1e6,
             scatter_bytes_per_s=settings.loaded(settings.COST_SCATTER_GB_S) * 1e9,
         )
@@ -144,12 +152,7 @@ class Figures:
 
     def staged_send_s(self, pieces: int, nbytes: int) -> float:
         """The prefill's part of a staged send: gather, `pieces` requests, the wire."""
-        return (
-            self.staged_fixed_s
-            + self.request_s * pieces
-            + nbytes / self.link_bytes_per_s
-            + nbytes / self.gather_bytes_per_s
-        )
+        return self.staged_fixed_s + self.request_s * pieces + nbytes / self.staged_bytes_per_s
 
     def scatter_s(self, nbytes: int) -> float:
         """The decode's scatter of a staged send's `nbytes` (a figure, never observed here)."""
@@ -195,8 +198,8 @@ class Figures:
         )
         staged = (
             f"{self.staged_fixed_s * 1e3:.2f} ms + {self.request_s * 1e6:.1f} us per piece"
-            f" + bytes at {self.link_bytes_per_s / 1e9:.2f} GB/s, gathered at "
-            f"{self.gather_bytes_per_s / 1e9:.2f} GB/s, scattered (decode) in "
+            f" + bytes gathered and written at {self.staged_bytes_per_s / 1e9:.2f} GB/s,"
+            f" scattered (decode) in "
             f"{self.scatter_fixed_s * 1e3:.2f} ms + bytes at "
             f"{self.scatter_bytes_per_s / 1e9:.2f} GB/s"
         )
@@ -209,7 +212,7 @@ class Figures:
                 self.staged_fixed_s,
                 self.request_s,
                 1 / self.link_bytes_per_s,
-                1 / self.gather_bytes_per_s,
+                1 / self.staged_bytes_per_s,
             ]
         )
 
@@ -405,8 +408,8 @@ class PathCosts:
             requests, nbytes, seconds, predicted = mine[:, 1:].T
             staged = float(index == PATHS.index(STAGED))
             features = self._scale * np.column_stack(
-                [np.full(count, 1.0 - staged), np.full(count, staged), requests, nbytes,
-                 nbytes * staged]
+                [np.full(count, 1.0 - staged), np.full(count, staged), requests,
+                 nbytes * (1.0 - staged), nbytes * staged]
             )  # fmt: skip
             ratio = seconds / predicted
             weight = 1.0 / (predicted**2 * np.maximum(ratio, 1 / ratio) * NOISE**2)
@@ -461,7 +464,7 @@ class PathCosts:
                 staged_fixed_s=float(learned[1]),
                 request_s=float(learned[2]),
                 link_bytes_per_s=float(1 / learned[3]),
-                gather_bytes_per_s=float(1 / learned[4]),
+                staged_bytes_per_s=float(1 / learned[4]),
                 scatter_fixed_s=seeds.scatter_fixed_s,
                 scatter_bytes_per_s=seeds.scatter_bytes_per_s,
                 sends=(state.sends[0], state.sends[1]),
