@@ -8,6 +8,8 @@ descriptors. No timing is asserted: speed is what the benchmarks report.
 
 from __future__ import annotations
 
+import pytest
+
 from bench import gathered_slice, staged_send
 
 
@@ -33,6 +35,21 @@ def test_the_staged_generic_send_lands_the_same_bytes_in_fewer_descriptors():
     assert figures["chosen"]["paths"]["direct"] >= figures["chosen"]["repeats"]
     assert result["chosen_with_scatter_s"] == figures["chosen"]["median"]
     assert result["model"]["direct_s"] < result["model"]["staged_s"]
+
+
+def test_the_default_send_stages_where_staging_wins_and_lands_sglangs_bytes():
+    """1,024 descriptors of 2 KiB: direct pays a Mooncake request each (about 15-60 us on
+    loopback TCP), staged one write (docs/benchmarks.md: about 10x faster here); the
+    plugin's defaults stage it, and every send lands what sglang's own lands."""
+    result = staged_send.measure(num_pages=64, buffers=32, budget_s=0.0, verify=True, item_len=1024)
+
+    figures = result["figures"]
+    assert result["descriptors"] == 32 * 32
+    assert result["landed_as_expected"] == dict.fromkeys(staged_send.VARIANTS, True)
+    assert result["chosen_path"] == "staged"
+    assert figures["chosen"]["sends"] == {"staged/arrays": 1}
+    assert figures["chosen"]["paths"]["staged"] >= figures["chosen"]["repeats"]
+    assert result["model"]["staged_s"] < result["model"]["direct_s"]
 
 
 def test_the_chosen_send_stages_where_the_model_prices_staging_faster(monkeypatch):
@@ -67,3 +84,20 @@ def test_the_staged_tp_down_slice_send_writes_one_share_of_each_slot_in_fewer_de
     assert figures["per_token"]["descriptors"] == 2 * 128  # K and V, one per token
     assert figures["scatter"]["repeats"] >= 2
     assert figures["sglang/staged_with_scatter"] > 0
+
+
+def test_the_sweep_shapes_its_points_and_writes_a_table_and_a_plot(tmp_path):
+    from bench import staged_sweep
+
+    assert staged_sweep.sweep_shape(32, 1024) == (32, 2, 512)  # runs of 2 pages per descriptor
+    assert staged_sweep.sweep_shape(8192, 65536) == (32, 512, 32768)
+    with pytest.raises(ValueError, match="no sweep shape"):
+        staged_sweep.sweep_shape(8, 1024)
+    result = staged_sweep.run_shape(32, 2, 512, budget_s=0.0)
+    assert result["descriptors"] == 32 and result["mean_descriptor_bytes"] == 1024
+    assert set(result["checks"]) == {"within_fastest", "not_slower_than_sglang"}
+    table = staged_sweep.table([result])
+    assert "| 32 x 1 KiB | " in table and f"| {result['chosen_path']} |" in table
+    png = tmp_path / "sweep.png"
+    staged_sweep.write_plot(png, [result])
+    assert png.read_bytes().startswith(b"\x89PNG")
