@@ -5,7 +5,8 @@ One deployment for every receive-staging scenario (seven servers start once):
 - decodes: `staging` (the plugin, its receive staging on), `killed` (the
   same, killed mid-transfer by the last test) and `plain`
   (`GPU_PLANNER_DISABLE=1`: sglang's own code);
-- prefills: `staged` (the plugin, staging gate at 1 descriptor), `plain`
+- prefills: `staged` (the plugin, staging gate at 1 descriptor; the cost
+  model instead in one test's window, `E2E_COST_MODEL_FLAG`), `plain`
   (`GPU_PLANNER_DISABLE=1`), `tp2` (the plugin, TP 2: each rank holds one
   of the model's two KV heads, a share of every decode token slot) and
   `pp2` (the plugin, two pipeline stages of 8 layers each).
@@ -13,12 +14,14 @@ One deployment for every receive-staging scenario (seven servers start once):
 The plain prefill through the plain decode is plain sglang: its tokens are
 what every TP 1 pairing must give. The staged prefill's fragmented sends of
 32 KV buffers are gathered into the staging decode's region and scattered
-there; either plugin peer paired with a plain one keeps today's protocol and
-stages nothing. TP 2 -> 1 staged must equal the same TP 2 prefill through
-the plain decode (not a TP 1 server: a TP 2 prefill's all-reduce rounds bf16
-otherwise). A PP 2 prefill's stages each
-write some of the decode's buffers: sent direct, counted, plain sglang's
-tokens. The corruption control leaves one staged page out of one scatter
+there. Without the gate (the cost model decides, as in a prefill that sets no
+`GPU_PLANNER_STAGING_*`) the same workload's one-page sends go direct and its
+fragmented ones staged, with the same tokens. Either plugin peer paired with
+a plain one keeps today's protocol and stages nothing. TP 2 -> 1 staged must
+equal the same TP 2 prefill through the plain decode (not a TP 1 server: a
+TP 2 prefill's all-reduce rounds bf16 otherwise). A PP 2 prefill's stages
+each write some of the decode's buffers: sent direct, counted, plain
+sglang's tokens. The corruption control leaves one staged page out of one scatter
 (test scaffolding) and the tokens change. A request aborted on the decode
 while its staged note is held: the note is dropped when it arrives, and the
 same room retried with as many pages gives plain sglang's tokens. Last, a
@@ -60,6 +63,7 @@ from tests.e2e.e2e_scenarios import (
 )
 from tests.e2e.scaffolding.e2e_sglang_scaffolding import (
     CORRUPT_SCATTER_FLAG_ENV,
+    COST_MODEL_FLAG_ENV,
     HOLD_NOTE_FLAG_ENV,
     STALL_STAGED_FLAG_ENV,
 )
@@ -77,6 +81,7 @@ PIPELINE_STAGE_NOT_STAGED = (
     "gpu_planner:fallbacks_total{reason=not staged: the send writes only some of the "
     "decode's KV buffers (a pipeline stage)}"
 )
+PATHS_CHOSEN = "gpu_planner:paths_chosen_total{"
 ABORT_ANSWERED_WITHIN_S = 60.0  # sglang's deferred release of aborted pages times out at 30 s
 
 
@@ -87,6 +92,7 @@ class Deployment:
     corrupt_flag: Path  # create it to corrupt the staging decode's next scatter
     stall_flag: Path  # create it to hold the staged prefill after its next staged send
     hold_flag: Path  # create it to hold the staged prefill's next note until `<flag>.go`
+    cost_model_flag: Path  # while it exists, the cost model decides the staged prefill's sends
 
     def send(self, prefill: str, decode: str, prompts) -> list[Generation]:
         source, sink = self.prefills[prefill], self.decodes[decode]
@@ -106,7 +112,7 @@ class Deployment:
 def deployment(layered_model, server_logs, tmp_path_factory):
     flags = tmp_path_factory.mktemp("staging-flags")
     corrupt_flag, stall_flag = flags / "corrupt-next-scatter", flags / "stall-next-staged"
-    hold_flag = flags / "hold-next-note"
+    hold_flag, cost_model_flag = flags / "hold-next-note", flags / "cost-model-decides"
     pool = ("--max-total-tokens", str(POOL_TOKENS))
     decode_env = {"staging": {CORRUPT_SCATTER_FLAG_ENV: str(corrupt_flag)}, "killed": {},
                   "plain": PLAIN}  # fmt: skip
@@ -117,7 +123,8 @@ def deployment(layered_model, server_logs, tmp_path_factory):
     specs += [
         prefill_spec(
             "staged-prefill", layered_model, PAGE_SIZE, BATCH_PAGES,
-            {**STAGED, STALL_STAGED_FLAG_ENV: str(stall_flag), HOLD_NOTE_FLAG_ENV: str(hold_flag)},
+            {**STAGED, STALL_STAGED_FLAG_ENV: str(stall_flag), HOLD_NOTE_FLAG_ENV: str(hold_flag),
+             COST_MODEL_FLAG_ENV: str(cost_model_flag)},
         ),
         prefill_spec("plain-prefill", layered_model, PAGE_SIZE, BATCH_PAGES, PLAIN),
         sglang_spec(
@@ -137,6 +144,7 @@ def deployment(layered_model, server_logs, tmp_path_factory):
             corrupt_flag,
             stall_flag,
             hold_flag,
+            cost_model_flag,
         )
 
 
@@ -157,6 +165,45 @@ def test_staged_tokens_equal_plain_sglangs(deployment, plain_tokens):
     decode = server_metrics(deployment.decodes["staging"].url)
     assert decode["gpu_planner:staged_scatters_total"] >= staged, decode
     assert not [key for key in decode if "refused" in key], decode
+
+
+def test_the_cost_model_sends_the_fragmented_workload_both_ways(deployment, plain_tokens):
+    """Without the gate, as a prefill without `GPU_PLANNER_STAGING_*` sends: the cost model
+    decides (the settings' seeds, a fresh model for the window, learning from its own sends).
+    The workload has both shapes: one-page sends (32 descriptors of 1 KiB) and chunks of 2-5
+    runs per buffer (64-160 descriptors). Direct: the first one-page sends, priced at the seeds
+    before any direct send is learned from (a staged price only rises from what staged sends
+    take here). Staged: the fragmented ones, priced below direct from about 48 descriptors at
+    today's seeds and from fewer once the direct sends' times here (5-270 ms, seven servers on
+    two cores) are learned (with the seeds before, 4.5 ms staged and 15 us a request, it
+    learned that alone). Plain sglang's tokens either way, every staged send scattered.
+
+    The staged prefill's gate is set aside by the scaffolding's cost-model window, not by an
+    eighth server (the deployment is at the machine's memory budget); one pass, since a model
+    that learned an outlier may stage every send of a second (a probe only once in 64)."""
+    prefill, decode = deployment.prefills["staged"].url, deployment.decodes["staging"].url
+    before, decode_before = server_metrics(prefill), server_metrics(decode)
+    deployment.cost_model_flag.touch()
+    try:
+        generations = deployment.send("staged", "staging", PROMPTS)
+    finally:
+        deployment.cost_model_flag.unlink()
+    assert_same_tokens("the cost model's paths", PROMPTS, generations, plain_tokens)
+    after, decode_after = server_metrics(prefill), server_metrics(decode)
+    chosen = _rise(before, after, PATHS_CHOSEN)
+    seen = {"chosen": chosen, "timed": _rise(before, after, "gpu_planner:path_")}
+    assert chosen and not [key for key in chosen if "gate" in key], seen  # the model's reasons
+    by_path = {
+        path: sum(n for key, n in chosen.items() if key.startswith(f"{PATHS_CHOSEN}path={path},"))
+        for path in ("direct", "staged")
+    }
+    assert by_path["direct"] > 0 and by_path["staged"] > 0, seen
+    staged = sum(n for key, n in _rise(before, after, "gpu_planner:sends_total{").items()
+                 if "hook=staged" in key)  # fmt: skip
+    assert 0 < staged <= by_path["staged"], (staged, seen)  # a staged choice may find no slot
+    scatters = "gpu_planner:staged_scatters_total"
+    assert decode_after[scatters] - decode_before[scatters] >= staged, decode_after
+    assert not [key for key in decode_after if "refused" in key], decode_after
 
 
 def test_a_plain_prefill_to_a_staging_decode_keeps_todays_protocol(deployment, plain_tokens):
@@ -349,6 +396,12 @@ def _aborted(status: int | None, body: object) -> bool:
     """Whether a /generate reply says its request was aborted (sglang answers 200 or an error)."""
     finish = body.get("meta_info", {}).get("finish_reason", {}) if isinstance(body, dict) else {}
     return status is not None and (status != 200 or finish.get("type") == "abort")
+
+
+def _rise(before: dict[str, float], after: dict[str, float], prefix: str) -> dict[str, float]:
+    """How much each sample starting with `prefix` rose from `before` to `after` (the risen)."""
+    rise = {key: value - before.get(key, 0.0) for key, value in after.items()}
+    return {key: value for key, value in rise.items() if key.startswith(prefix) and value}
 
 
 RELEASED = "sglang:decode_deferred_kv_release_total"

@@ -33,6 +33,16 @@ nothing without it:
   `<flag>.go` exists (deleting it, as above), then sends the note: the test
   aborts the request on the decode in between, so the note arrives for a
   lending that has ended.
+- The cost-model window: when `E2E_COST_MODEL_FLAG` names a file, the prefill's
+  sends are decided, while that file exists, by the send-path cost model as a
+  prefill without `GPU_PLANNER_STAGING_*` builds it (`PathCosts.from_settings()`,
+  its seeds and probe interval from the settings, without the override gate
+  those knobs set): a fresh instance for each file created (each window
+  starts from the seeds), built at its first send. Each of its choices and
+  observations is logged (the log says why a path won). Outside a window the
+  process's own instance (the gate) decides. The test removes the file only
+  once its requests have answered, so every send chosen in the window was
+  observed in it too (a send's time is learned before its request completes).
 """
 
 from __future__ import annotations
@@ -40,6 +50,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import threading
 import time
 from pathlib import Path
 
@@ -47,6 +58,7 @@ CORRUPT_FLAG_ENV = "E2E_CORRUPT_FLAG"
 CORRUPT_SCATTER_FLAG_ENV = "E2E_CORRUPT_SCATTER_FLAG"
 STALL_STAGED_FLAG_ENV = "E2E_STALL_STAGED_FLAG"
 HOLD_NOTE_FLAG_ENV = "E2E_HOLD_NOTE_FLAG"
+COST_MODEL_FLAG_ENV = "E2E_COST_MODEL_FLAG"
 STALL_LIMIT_S = 120.0
 SEND_KVCACHE = "sglang.srt.disaggregation.mooncake.conn.MooncakeKVManager.send_kvcache"
 
@@ -73,6 +85,10 @@ def register() -> None:
         from gpu_planner.integration.sglang import staged_send
 
         staged_send._notify = _holding_notify(staged_send._notify)
+    if os.environ.get(COST_MODEL_FLAG_ENV):
+        from gpu_planner.integration.sglang import staged_send
+
+        staged_send.path_costs = _model_while_flagged(staged_send.path_costs)
 
 
 def corrupt_one_send(original, manager, session, src_pages, dst_ptrs, dst_pages, *args, **kwargs):
@@ -123,6 +139,57 @@ def _holding_notify(notify):
         notify(*args, **kwargs)
 
     return holding_notify
+
+
+def _model_while_flagged(path_costs):
+    """`path_costs`, but while the flag file exists the cost model without the override gate:
+    a fresh one for each file created (a window), kept while that file exists."""
+    window = {}  # the flag file's identity -> its PathCosts
+    lock = threading.Lock()
+
+    def costs():
+        try:
+            flag = os.stat(os.environ[COST_MODEL_FLAG_ENV])
+        except FileNotFoundError:
+            return path_costs()
+        key = (flag.st_ino, flag.st_mtime_ns)
+        with lock:
+            if key not in window:
+                from gpu_planner.integration.sglang.path_cost import PathCosts
+
+                built = PathCosts.from_settings()
+                built.gate = None  # what a prefill without GPU_PLANNER_STAGING_* decides by
+                logger.warning("e2e scaffolding: the cost model decides while the flag exists")
+                window.clear()
+                window[key] = _logged(built)
+            return window[key]
+
+    return costs
+
+
+def _logged(costs):
+    """`costs`, each choice and observation logged (the server's log tells why a path won)."""
+    choose, observe = costs.choose, costs.observe
+
+    def logged_choose(peer, descriptors, nbytes, staged_pieces):
+        choice = choose(peer, descriptors, nbytes, staged_pieces)
+        logger.warning(
+            "e2e scaffolding: cost model: %d descriptors, %d bytes, %d pieces -> %s "
+            "(direct %.2f ms, staged %.2f ms)", descriptors, nbytes, staged_pieces, choice.path,
+            choice.direct_s * 1e3, choice.staged_s * 1e3,
+        )  # fmt: skip
+        return choice
+
+    def logged_observe(peer, path, requests, nbytes, seconds, ok=True):
+        learned = observe(peer, path, requests, nbytes, seconds, ok)
+        logger.warning(
+            "e2e scaffolding: cost model: %s send of %d requests, %d bytes took %.2f ms%s",
+            path, requests, nbytes, seconds * 1e3, "" if learned else " (not learned from)",
+        )  # fmt: skip
+        return learned
+
+    costs.choose, costs.observe = logged_choose, logged_observe
+    return costs
 
 
 def _hold(flag: str) -> None:
