@@ -1,6 +1,6 @@
 """One deployment of real servers at a time on a machine, across processes: a file lock.
 
-The receive-staging deployment alone takes about 12 GB (6 servers); two suites
+The receive-staging deployment alone takes about 15 GiB (7 servers, PSS); two suites
 (or a suite and `bench.deployment`) starting theirs at once on one machine
 exhaust its memory, and the OOM killer ends both. `servers_running` holds this
 lock for a deployment's whole lifetime, so a second deployment waits (saying so
