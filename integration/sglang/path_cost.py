@@ -34,10 +34,12 @@ bytes' seed is link and gather in series: 1.14 GB/s, 1.09 measured at
 seeds as its prior: per path, exponentially weighted sums of the send's
 features (each term's share of the seeded price) and times, halving every
 `HALF_LIFE` observations of that path. The fit is on relative error, and an
-observation off its price by a factor q weighs 1/q of an ordinary one, so one
-send's pull on a figure is at most an ordinary send's share whatever its time
-(a stall, a sample of a bimodal wire), while a lasting change is learned
-within tens of sends.
+observation off its price by a factor q weighs 1/q^2 of an ordinary one, so
+one send's pull on a figure falls as 1/q the further off it is (a stall, a
+sample of a bimodal wire: a 270 ms one-page send on a loaded 2-core machine,
+weighed 1/q, once moved a peer's one-page direct price from 1.4 to 13.8 ms),
+while a lasting change of a few times is learned within tens of sends (each
+pulls less at first, more as the figures come near it).
 The solved figures are clamped to physical ranges. A choice solves the fit
 again after every observation for a peer's first `HALF_LIFE` sends, then once
 per `SOLVE_EVERY` observations (a solve costs about 50 us on the 2-core CPU,
@@ -392,7 +394,7 @@ class PathCosts:
         """Add the pending observations to the sums, in order, as one NumPy update per path.
 
         Each observation's features are its terms' prices at the seeds' scale
-        (the fit solves for figure / scale); it weighs 1 / (price^2 q NOISE^2)
+        (the fit solves for figure / scale); it weighs 1 / (price^2 q^2 NOISE^2)
         for a time off its price by a factor q, and every later observation of
         its path decays it by `_DECAY`.
         """
@@ -412,7 +414,7 @@ class PathCosts:
                  nbytes * (1.0 - staged), nbytes * staged]
             )  # fmt: skip
             ratio = seconds / predicted
-            weight = 1.0 / (predicted**2 * np.maximum(ratio, 1 / ratio) * NOISE**2)
+            weight = 1.0 / (predicted**2 * np.maximum(ratio, 1 / ratio) ** 2 * NOISE**2)
             weight *= _DECAY ** np.arange(count - 1, -1, -1)  # the later ones decay it
             state.moments[index] *= _DECAY**count
             state.moments[index] += (features.T * weight) @ features

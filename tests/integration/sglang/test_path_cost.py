@@ -324,6 +324,16 @@ def test_one_outlier_moves_a_figure_by_a_bounded_share():
         assert after.staged_s == pytest.approx(before.staged_s, rel=0.1)
 
 
+def test_a_stall_among_a_peers_first_sends_moves_its_prices_little():
+    """The first send learned from takes 200x its price (a loaded machine): the one-page
+    direct price moves by a few percent (weighed 1/q, it went up 9x; in e2e, tenfold)."""
+    costs = warmed(model(TCP), "peer")
+    shape = (32, 32 * 4096)
+    before = costs.choose("peer", *shape, 1).direct_s
+    costs.observe("peer", DIRECT, *shape, 200 * TCP.direct_s(*shape))
+    assert costs.choose("peer", *shape, 1).direct_s < 1.1 * before
+
+
 def test_figures_stay_in_physical_ranges_whatever_is_observed():
     costs = model(TCP)
     for _ in range(500):
