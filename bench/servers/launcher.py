@@ -97,6 +97,7 @@ class Server:
     log_path: Path
     bootstrap_port: int | None = None  # prefill servers: the disaggregation bootstrap port
     ready_path: str = "/health"
+    stopped: bool = False  # its group was stopped or killed: never signalled again
 
     def log_tail(self, lines: int = 40) -> str:
         text = self.log_path.read_text(errors="replace").splitlines()
@@ -104,12 +105,22 @@ class Server:
 
     def kill(self) -> None:
         """SIGKILL the whole process group at once (a server that dies), and reap the leader."""
+        if self.stopped:
+            return
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.process.pid, signal.SIGKILL)
         self.process.wait()
+        self.stopped = True
 
     def stop(self) -> None:
-        """SIGTERM the process group, wait for all of it, SIGKILL what is left after the grace."""
+        """SIGTERM the process group, wait for all of it, SIGKILL what is left after the grace.
+
+        Once stopped (or killed), a server is not signalled again: a deployment may stop some
+        of its servers early (to make room for others), and its end stops every server; the
+        group's id, free once its processes are gone, may by then lead someone else's group.
+        """
+        if self.stopped:
+            return
         group = self.process.pid
         with contextlib.suppress(ProcessLookupError):
             os.killpg(group, signal.SIGTERM)
@@ -119,6 +130,7 @@ class Server:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(group, signal.SIGKILL)
         self.process.wait()
+        self.stopped = True
 
 
 def _group_alive(group: int, leader: subprocess.Popen) -> bool:
@@ -256,6 +268,9 @@ def servers_running(specs: Sequence[ServerSpec], log_dir: Path) -> Iterator[dict
     started again on new ports (its earlier log kept as `<name>.<attempt>.log`).
     The machine's deployment lock is held from before the first start until the
     last server has stopped (another process's deployment is waited for first).
+    Within one process the lock nests: a deployment in phases stops some of its
+    servers (`Server.stop`, not signalled again at the end) and starts the next
+    ones together in a `servers_running` inside this one.
     """
     with machine_lock(f"{', '.join(spec.name for spec in specs)} in {log_dir}"):
         servers = {spec.name: start(spec, log_dir / f"{spec.name}.log") for spec in specs}

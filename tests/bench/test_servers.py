@@ -150,6 +150,20 @@ def test_stop_ends_the_server_and_its_child_and_the_keeper_reports_their_exit(tm
     assert _gone(leader) and _gone(child)
 
 
+def test_a_stopped_or_killed_server_is_not_signalled_again(tmp_path, monkeypatch):
+    """A deployment stops some servers early and all at its end: the second stop (or a stop
+    after a kill) sends nothing to a group id that may lead another group by then."""
+    servers = [start(_fake_spec(tmp_path / name), tmp_path / f"{name}.log") for name in "ab"]
+    servers[0].stop()
+    servers[1].kill()
+    signalled = []
+    monkeypatch.setattr(os, "killpg", lambda group, sig: signalled.append((group, sig)))
+    for server in servers:
+        server.stop()
+        server.kill()
+    assert signalled == []
+
+
 @pytest.mark.parametrize(
     ("source", "status"),
     [("import sys; sys.exit(3)", 3), ("import os; os.kill(os.getpid(), 9)", -signal.SIGKILL)],
