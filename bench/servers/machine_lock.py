@@ -1,8 +1,9 @@
 """One deployment of real servers at a time on a machine, across processes: a file lock.
 
-The receive-staging deployment alone takes about 15 GiB (7 servers, PSS); two suites
-(or a suite and `bench.deployment`) starting theirs at once on one machine
-exhaust its memory, and the OOM killer ends both. `servers_running` holds this
+The receive-staging deployment alone takes about 10 GiB at its peak (PSS; 5 of its 7
+servers at once, in two phases); two suites (or a suite and `bench.deployment`)
+starting theirs at once on one machine exhaust its memory, and the OOM killer ends
+both. `servers_running` holds this
 lock for a deployment's whole lifetime, so a second deployment waits (saying so
 on stderr, with the holder's pid) until the first has stopped. The lock is
 `flock` on `LOCK_PATH`, a fixed path rather than the temporary folder
