@@ -35,6 +35,7 @@ import numpy as np
 from bench.send_path import REFUSING_PEER
 from gpu_planner.integration.mooncake.engine import (
     QUIET_ENV,
+    engine_process,
     register_buffer,
     session_id,
     set_mooncake_defaults,
@@ -60,9 +61,8 @@ def _serve_peer(connection: Connection, nbytes: int) -> None:
 @contextlib.contextmanager
 def live_peer(nbytes: int) -> Iterator[tuple[str, int]]:
     """A peer process with one registered buffer of `nbytes`: (its session, its address)."""
-    context = multiprocessing.get_context("spawn")
-    connection, child_end = context.Pipe()
-    peer = context.Process(target=_serve_peer, args=(child_end, nbytes), daemon=True)
+    connection, child_end = multiprocessing.Pipe()
+    peer = engine_process(_serve_peer, (child_end, nbytes))
     peer.start()
     try:
         if not connection.poll(120):

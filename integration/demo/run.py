@@ -2,7 +2,7 @@
 
 Both processes run on 127.0.0.1, each with its own Mooncake engine (TCP, P2P
 handshake), and talk over ZMQ. The demo's own process is the side that plans
-and submits; it spawns the other side. Two transfer modes (`MODES`):
+and submits; it starts the other side. Two transfer modes (`MODES`):
 
 - push (sglang's model; the default): decode registers its buffers (host- and
   device-backed), allocates the request's pages from two independent
@@ -196,7 +196,7 @@ def run_demo(config: DemoConfig) -> DemoReport:
     report = DemoReport(config)
     mode = MODES[config.mode]
     with mode.initiator(config) as side:
-        peer = side.spawn_peer(mode.peer)
+        peer = side.start_peer(mode.peer)
         try:
             mode.run(side, report)
         except Exception as error:  # reported; the peer is joined (or killed) below

@@ -35,7 +35,11 @@ from gpu_planner.integration.mooncake import (
     session_id,
     start_engine,
 )
-from gpu_planner.integration.mooncake.engine import tcp_queue_capacity, tcp_queue_env
+from gpu_planner.integration.mooncake.engine import (
+    engine_process,
+    tcp_queue_capacity,
+    tcp_queue_env,
+)
 from gpu_planner.integration.sglang.frames import (
     FrameError,
     KVRegistration,
@@ -136,11 +140,9 @@ class Side:
             is_device=self.is_device,
         )
 
-    def spawn_peer(self, target: Callable[[DemoConfig, int], None]) -> multiprocessing.Process:
-        """Start the other side's process (spawned: no state inherited from this one)."""
-        process = multiprocessing.get_context("spawn").Process(
-            target=target, args=(self.config, self.port), daemon=True
-        )
+    def start_peer(self, target: Callable[[DemoConfig, int], None]) -> multiprocessing.Process:
+        """Start the other side's process (`engine_process`: no state inherited from this one)."""
+        process = engine_process(target, (self.config, self.port))
         process.start()
         self.peer_process = process
         return process

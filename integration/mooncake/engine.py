@@ -8,8 +8,10 @@ runs RDMA with its own metadata service and NIC names.
 from __future__ import annotations
 
 import contextlib
+import multiprocessing
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from multiprocessing import reduction
 
 P2P_HANDSHAKE = "P2PHANDSHAKE"
 # Mooncake's TCP transport (per-peer lanes, tcp_transport.cpp, 0.3.13 and 0.3.14) queues at
@@ -23,6 +25,8 @@ TCP_QUEUE_MAX = 65535
 QUIET_ENV = {"MC_LOG_LEVEL": "ERROR"}
 # sglang's `MooncakeTransferEngine` wrapper on a machine without RDMA: TCP only.
 TCP_ONLY_ENV = {"MOONCAKE_PROTOCOL": "tcp", "MC_FORCE_TCP": "1"}
+# What a peer engine's process imports before it is forked (`engine_process`).
+ENGINE_PROCESS_PRELOAD = ("gpu_planner.integration.mooncake.engine", "mooncake.engine")
 
 
 def set_mooncake_defaults(*environments: Mapping[str, str]) -> None:
@@ -108,3 +112,46 @@ def register_buffer(engine, ptr: int, nbytes: int) -> None:
 def session_id(engine, local_hostname: str) -> str:
     """The peer name other engines use to reach `engine` (P2P handshake: host:rpc_port)."""
     return f"{local_hostname}:{engine.get_rpc_port()}"
+
+
+def engine_process(target: Callable[..., None], args: tuple = ()) -> multiprocessing.Process:
+    """An unstarted daemon process that runs `target(*args)` (a peer engine, for example).
+
+    It is forked from multiprocessing's fork server, which imported gpu_planner
+    and Mooncake once (`ENGINE_PROCESS_PRELOAD`): a spawned process imports them
+    anew, about 3 s on two cores (mostly torch), for every peer. The server is
+    a fresh interpreter started with the first such process (it ends with this
+    one), so nothing of this process reaches the child but `args`, and what a
+    spawned child would inherit as it is now: the environment, and the stdout
+    and stderr file descriptors (a forked child would otherwise have the
+    server's, as they were when the server started).
+    """
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(list(ENGINE_PROCESS_PRELOAD))  # read once: at server start
+    inherited = (dict(os.environ), _InheritedFd(1), _InheritedFd(2))
+    return context.Process(target=_run_inherited, args=(*inherited, target, args), daemon=True)
+
+
+class _InheritedFd:
+    """One of this process's file descriptors, duplicated into the child it is pickled for."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def __reduce__(self):
+        return _detached, (reduction.DupFd(self.fd),)
+
+
+def _detached(duplicate) -> int:
+    return duplicate.detach()
+
+
+def _run_inherited(
+    environment: dict[str, str], stdout: int, stderr: int, target: Callable[..., None], args: tuple
+) -> None:
+    os.environ.clear()
+    os.environ.update(environment)
+    for inherited, fd in ((stdout, 1), (stderr, 2)):
+        os.dup2(inherited, fd)
+        os.close(inherited)
+    target(*args)

@@ -26,7 +26,7 @@ from gpu_planner.integration.demo import run
 from gpu_planner.integration.demo.run import TransferMode, run_demo
 from gpu_planner.integration.demo.sides import DONE, PrefillSide
 
-TIMEOUT_S = 10.0  # covers the peer's start (spawn, imports, engine) on a loaded machine
+TIMEOUT_S = 10.0  # covers the peer's start (the fork server's imports, the engine) when loaded
 MALFORMED = {
     # (mode, message, frame, new value): the error's text, and what the peer hears
     "push-registration-truncated": ("push", "registration", None, b"", "23", TOLD),

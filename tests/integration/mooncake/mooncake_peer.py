@@ -1,6 +1,6 @@
 """Two real Mooncake engines on 127.0.0.1 (TCP, P2P handshake): this process and a peer process.
 
-`peer_process` spawns a peer that starts its own engine with
+`peer_process` starts a peer (`engine.engine_process`) that starts its own engine with
 `engine.start_engine`, registers buffers filled with seeded random bytes, and
 serves its session id, buffer addresses and (on request) buffer contents over
 a pipe. `local_engine` starts this process's engine with its own buffers.
@@ -27,6 +27,7 @@ import gpu_planner as gp
 from gpu_planner.integration.mooncake import MooncakeReader, MooncakeSender, MooncakeTransfer
 from gpu_planner.integration.mooncake.engine import (
     TCP_QUEUE_DEFAULT,
+    engine_process,
     register_buffer,
     session_id,
     start_engine,
@@ -104,9 +105,8 @@ def _process_state(pid: int) -> str:
 @contextlib.contextmanager
 def peer_process(nbytes: list[int], seed: int = PEER_SEED) -> Iterator[Peer]:
     """Spawn a peer with buffers of `nbytes` bytes; kill it on exit."""
-    context = multiprocessing.get_context("spawn")
-    connection, child_end = context.Pipe()
-    process = context.Process(target=_serve, args=(child_end, nbytes, seed), daemon=True)
+    connection, child_end = multiprocessing.Pipe()
+    process = engine_process(_serve, (child_end, nbytes, seed))
     process.start()
     child_end.close()
     try:
