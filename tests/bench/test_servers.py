@@ -15,8 +15,15 @@ from pathlib import Path
 
 import pytest
 
-from bench.servers import machine_lock
-from bench.servers.launcher import CPU_SCAFFOLDING, ServerSpec, server_env, servers_running, start
+from bench.servers import launcher, machine_lock
+from bench.servers.launcher import (
+    CPU_SCAFFOLDING,
+    ServerSpec,
+    server_env,
+    servers_running,
+    start,
+    stop_all,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 GONE_WITHIN_S = 5.0
@@ -162,6 +169,24 @@ def test_a_stopped_or_killed_server_is_not_signalled_again(tmp_path, monkeypatch
         server.stop()
         server.kill()
     assert signalled == []
+
+
+def test_stop_all_gives_every_server_one_shared_grace(tmp_path, monkeypatch):
+    """Servers that ignore SIGTERM (as sglang outlasts the grace) stop in one grace together,
+    not one each, and are all killed; an already stopped one is not signalled again."""
+    grace_s = 1.5
+    monkeypatch.setattr(launcher, "STOP_GRACE_S", grace_s)
+    deaf = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)"
+    spec = ServerSpec("deaf", (), command=(sys.executable, "-c", deaf))
+    servers = [start(spec, tmp_path / f"deaf{index}.log") for index in range(4)]
+    servers[0].stop()
+    time.sleep(0.5)  # the others' interpreters are up and ignore SIGTERM by now
+    began = time.monotonic()
+    stop_all(servers)
+    elapsed = time.monotonic() - began
+    assert grace_s <= elapsed < 2 * grace_s  # one after another: 3 graces
+    assert all(server.stopped for server in servers)
+    assert [server.process.returncode for server in servers[1:]] == [-signal.SIGKILL] * 3
 
 
 @pytest.mark.parametrize(

@@ -56,7 +56,7 @@ from bench.servers.client import (
     sampling,
     server_metrics,
 )
-from bench.servers.launcher import Server, servers_running, sglang_spec
+from bench.servers.launcher import Server, servers_running, sglang_spec, stop_all
 from tests.e2e.e2e_checks import assert_same_tokens
 from tests.e2e.e2e_scenarios import (
     CHUNKED_PREFILL_TOKENS,
@@ -154,8 +154,7 @@ def phase_b(deployment, plain_tokens, layered_model, server_logs):
     plain prefills: no later test sends through them) stop first, so the machine never
     holds all seven; plain sglang's tokens were taken before (`plain_tokens`). The two
     start together, inside the first phase's deployment (the machine's lock nests)."""
-    for server in (deployment.decodes.pop("killed"), *deployment.prefills.values()):
-        server.stop()
+    stop_all([deployment.decodes.pop("killed"), *deployment.prefills.values()])
     deployment.prefills.clear()
     pool = ("--max-total-tokens", str(POOL_TOKENS))
     specs = [
