@@ -9,9 +9,13 @@ signature of sglang 0.5.23 that the hooks mirror. Each hook is one
 `HookRecord` (target, hook, the target's parameters, what to compile);
 `register` iterates them and wraps each hook in `fallback.around`.
 Every knob is parsed when `register` runs (an invalid one: no hook at all);
-`GPU_PLANNER_DISABLE=1` turns the plugin off. With the page hook it also
-registers an AFTER hook on `MooncakeKVManager.__init__` that compiles the
-Triton kernels (`gp.warmup`) on the process's GPU, off the request path.
+`GPU_PLANNER_DISABLE=1` turns the plugin off. What the registered hooks run
+is compiled by an AFTER hook on `MooncakeKVManager.__init__`
+(`compile_after_manager_init`): the CPU loops, and with the page hook the
+Triton kernels (`gp.warmup`) on the process's GPU, once sglang selected it.
+sglang loads plugins in every process (tokenizer, detokenizer, schedulers) and
+builds the manager only in a scheduler, before it serves a request: the others
+compile nothing (about a second each on a CPU), and no request waits.
 Registering never touches CUDA: plugins load before sglang selects each
 rank's GPU, so a CUDA call here would create a context on GPU 0 in every rank.
 """
@@ -74,7 +78,8 @@ class HookRecord:
     `takes_original` is registered as it is: it calls the original itself,
     returns what the original returned (with what the plugin adds to it) and
     lets no exception of its own out. `parameters` are the target's, as
-    sglang 0.5.23 has them; `compile` runs once the hook is registered, so no
+    sglang 0.5.23 has them; `compile` runs once per process, after sglang
+    built its first Mooncake KV manager (`compile_after_manager_init`), so no
     request waits for compilation. Records of one `group` register all
     together or not at all.
     """
@@ -123,6 +128,7 @@ def register() -> None:
         logger.error("gpu_planner: no %s hook is registered: %s", group, first)
         record_fallback(f"hooks not registered: {group}")
     receive_staging.decode_hooks_registered(DECODE_STAGING not in groups_out)
+    compiles: dict[Callable[[], None], str] = {}  # each compile once, by its first target
     for record in records:
         if refusals[record.target] is not None:
             log_fallback_once(refusals[record.target])
@@ -130,37 +136,43 @@ def register() -> None:
         hook = record.hook if record.takes_original else around(record.hook)
         HookRegistry.register(record.target, hook, HookType.AROUND)
         if record.compile is not None:
-            try:
-                record.compile()
-            except Exception as error:  # the hook compiles on first use, or falls back
-                log_fallback_once(f"compiling for {record.target} failed ({error})", "compile")
+            compiles.setdefault(record.compile, record.target)
+    _pending_compiles[:] = [(target, compile) for compile, target in compiles.items()]
+    if compiles:
+        HookRegistry.register(WARMUP_TARGET, compile_after_manager_init, HookType.AFTER)
 
 
-def warm_up_after_manager_init(result: None, *args: object, **kwargs: object) -> None:
-    """AFTER sglang builds its Mooncake KV manager: compile the kernels on this process's GPU.
+# What the registered hooks run, still to compile in this process: (target, compile).
+_pending_compiles: list[tuple[str, Callable[[], None]]] = []
 
-    sglang builds the manager in the scheduler process after it selected the
-    process's GPU and before it serves a request. A process that never
-    initialised CUDA has no GPU work for the planner and is left alone.
+
+def compile_after_manager_init(result: None, *args: object, **kwargs: object) -> None:
+    """AFTER sglang builds its Mooncake KV manager: compile what the registered hooks run, once.
+
+    A failed compile is logged and counted, never raised: the hook compiles on
+    first use, or falls back.
+    """
+    while _pending_compiles:
+        target, compile = _pending_compiles.pop(0)
+        try:
+            compile()
+        except Exception as error:  # a failed compile must not stop sglang
+            log_fallback_once(f"compiling for {target} failed ({error})", "compile")
+    return None
+
+
+def warm_up_gpu() -> None:
+    """Compile the Triton kernels on this process's GPU, which sglang selected by now.
+
+    A process that never initialised CUDA has no GPU work for the planner and is left alone.
     """
     import torch
 
     if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
-        return None
+        return
     from gpu_planner import warmup
 
-    try:
-        warmup(torch.device("cuda", torch.cuda.current_device()))
-    except Exception as error:  # a failed warm-up must not stop sglang: kernels compile later
-        log_fallback_once(f"kernel warm-up failed ({error}); kernels compile on first use")
-    return None
-
-
-def _register_warm_up() -> None:
-    """Pages convert on the GPU: compile the kernels once sglang has selected it."""
-    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
-
-    HookRegistry.register(WARMUP_TARGET, warm_up_after_manager_init, HookType.AFTER)
+    warmup(torch.device("cuda", torch.cuda.current_device()))
 
 
 def hook_records() -> list[HookRecord]:
@@ -227,7 +239,7 @@ def hook_records() -> list[HookRecord]:
             PAGES_TARGET,
             pages.kv_to_page_indices_hook,
             call_parameters(pages.PagesCall, method=False),
-            _register_warm_up,
+            warm_up_gpu,  # pages convert on the GPU
         ),
         HookRecord(
             REGISTRATION_MESSAGE_TARGET,

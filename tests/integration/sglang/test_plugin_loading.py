@@ -45,9 +45,9 @@ from gpu_planner.integration.sglang.plugin import (
 )
 
 PLUGIN_LOGGER = "gpu_planner.integration.sglang.plugin"
-# What registers when the generic send cannot be hooked: everything else, in order.
-# Receive staging: the decode's messages, handlers and room lifecycle; the prefill's parsers
-# and its status message.
+# What registers when the generic send cannot be hooked: everything else, in order, then the
+# compile after the KV manager's init. Receive staging: the decode's messages, handlers and room
+# lifecycle; the prefill's parsers and its status message.
 DECODE_TARGETS = [
     REGISTRATION_MESSAGE_TARGET,
     METADATA_MESSAGE_TARGET,
@@ -63,8 +63,8 @@ HOOKS_BUT_GENERIC_SEND = [
     SLICE_TARGET,
     SWA_SLICE_TARGET,
     PAGES_TARGET,
-    WARMUP_TARGET,
     *STAGING_TARGETS,
+    WARMUP_TARGET,
 ]
 
 
