@@ -134,6 +134,8 @@ def check_same_length(first: PageList, first_name: str, other: PageList, name: s
 
 def check_same_torch_device(page_lists: dict[str, PageList]) -> torch.device:
     """The one torch device of `page_lists` (NumPy arrays are on the host)."""
+    if all([isinstance(pages, np.ndarray) for pages in page_lists.values()]):
+        return HOST  # the CPU send path's case, without a device comparison per list
     torch_devices = {
         name: HOST if isinstance(pages, np.ndarray) else pages.device
         for name, pages in page_lists.items()
@@ -214,7 +216,9 @@ def raise_recorded_negative_page(status: np.ndarray, pages: np.ndarray | None = 
 def resolve_backend(backend: Backend | None, torch_device: torch.device) -> Backend:
     """Auto: Triton on CUDA tensors, the compiled CPU backend on CPU tensors."""
     if backend is None:
-        return "triton" if torch_device.type == "cuda" else "cpu"
+        # `HOST` (NumPy page lists) by identity: reading a device's type is a call into torch,
+        # tens of us right after a transfer left the caches cold.
+        return "cpu" if torch_device is HOST or torch_device.type != "cuda" else "triton"
     if backend not in ("cpu", "triton"):
         raise PlanValidationError(f"backend: must be None, 'cpu' or 'triton', got {backend!r}")
     if backend == "triton" and torch_device.type != "cuda":

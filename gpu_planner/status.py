@@ -60,12 +60,16 @@ def recorded_out_of_bounds(status: np.ndarray, capacity: int) -> OutOfBounds | N
 
 def recorded_negative_page(status: np.ndarray) -> tuple[str, int] | None:
     """(argument, position) of the first negative page recorded in `status`, or None."""
+    slots = status[:OUT_OF_BOUNDS].tolist()  # Python ints: one read of the host copy
     for argument, slot in NEGATIVE_PAGE_SLOTS.items():
-        if status[slot] != NO_ERROR:
-            return argument, int(status[slot])
+        if slots[slot] != NO_ERROR:
+            return argument, slots[slot]
     return None
 
 
 def new_status_array() -> np.ndarray:
     """An empty status word in host memory (the CPU backend's)."""
-    return np.full(NUM_SLOTS, NO_ERROR, dtype=np.int64)
+    return _EMPTY_STATUS.copy()
+
+
+_EMPTY_STATUS = np.full(NUM_SLOTS, NO_ERROR, dtype=np.int64)
