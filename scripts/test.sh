@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Set up .venv for the tests, then lint and run the whole suite (no GPU needed:
 # without CUDA the Triton kernels run under the Triton interpreter). The suite
-# includes tests/e2e, which starts real sglang servers (about 13 min on 2 cores,
-# up to ~14 GB of memory at once); `-m "not e2e"` leaves it out.
+# includes tests/e2e, which starts real sglang servers (about 14 min of the
+# suite's 24 on 2 cores, at most ~10 GiB at once); `-m "not e2e"` leaves it out.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
