@@ -66,7 +66,6 @@ _path_choices: collections.Counter[tuple[str, str]] = collections.Counter()
 _path_times: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
 _max_runs_per_buffer = 0
 _prometheus: dict[str, Any] | None = None
-_sent = False  # this process recorded a send
 _metrics_unexported = False  # it sends without PROMETHEUS_MULTIPROC_DIR: no metrics to export
 
 
@@ -80,8 +79,7 @@ def record_send(
     batches: int = 1,
 ) -> None:
     """Count one hooked send: `descriptors` over `buffers` KV buffers, in `batches` batches."""
-    global _max_runs_per_buffer, _sent
-    _sent = True
+    global _max_runs_per_buffer
     runs_per_buffer = -(-descriptors // buffers) if buffers else 0
     fragmented = hook == "generic" and descriptors > buffers * batches
     with _lock:
@@ -207,7 +205,7 @@ def _prometheus_metrics() -> dict[str, Any] | None:
         # Settled once this process sends: a scheduler has sglang's variable from its start.
         # Reading os.environ for a name it lacks raises and catches a KeyError, ~1 us per
         # send hot and tens of us after a transfer left the caches cold.
-        _metrics_unexported = _sent
+        _metrics_unexported = bool(_sends)  # this process recorded a send
         return None
     with _lock:
         if _prometheus is None:

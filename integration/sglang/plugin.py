@@ -152,13 +152,17 @@ def compile_after_manager_init(result: None, *args: object, **kwargs: object) ->
     A failed compile is logged and counted, never raised: the hook compiles on
     first use, or falls back.
     """
-    while _pending_compiles:
-        target, compile = _pending_compiles.pop(0)
+    while True:
+        # Popped, not tested first: with two managers built at once, the list emptied between
+        # a test and a pop would raise IndexError out of sglang's `__init__`.
+        try:
+            target, compile = _pending_compiles.pop(0)
+        except IndexError:
+            return None
         try:
             compile()
         except Exception as error:  # a failed compile must not stop sglang
             log_fallback_once(f"compiling for {target} failed ({error})", "compile")
-    return None
 
 
 def warm_up_gpu() -> None:
