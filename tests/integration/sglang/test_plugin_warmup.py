@@ -44,12 +44,20 @@ def run_without_cuda_init(body: str) -> subprocess.CompletedProcess:
     )
 
 
-def test_registering_never_touches_cuda():
+def test_registering_touches_neither_cuda_nor_numba():
+    """sglang's tokenizer and detokenizer processes load the plugin too: registering compiles
+    nothing and never touches CUDA; the compile after the scheduler's manager compiles the CPU
+    loops."""
     result = run_without_cuda_init(
         "from sglang.srt.plugins.hook_registry import HookRegistry\n"
-        "from gpu_planner.integration.sglang.plugin import WARMUP_TARGET, register\n"
+        "from gpu_planner import cpu_backend\n"
+        "from gpu_planner.integration.sglang.plugin import (\n"
+        "    WARMUP_TARGET, compile_after_manager_init, register)\n"
         "register()\n"
-        "assert WARMUP_TARGET in HookRegistry._hooks, dict(HookRegistry._hooks)"
+        "assert WARMUP_TARGET in HookRegistry._hooks, dict(HookRegistry._hooks)\n"
+        "assert not cpu_backend._scan_pages.signatures, cpu_backend._scan_pages.signatures\n"
+        "compile_after_manager_init(None, object())\n"
+        "assert cpu_backend._scan_pages.signatures and cpu_backend._expand.signatures"
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "CUDA untouched" in result.stdout
@@ -86,21 +94,6 @@ def test_what_the_hooks_run_compiles_once_after_the_kv_manager_is_built(monkeypa
          warm_up_gpu, head_scatter.compile_kernels],
         key=repr,
     )  # fmt: skip
-
-
-def test_a_process_that_builds_no_kv_manager_compiles_nothing():
-    """sglang's tokenizer and detokenizer processes load the plugin too: Numba compiles nothing
-    there; the scheduler's manager compiles the CPU loops."""
-    result = run_without_cuda_init(
-        "from gpu_planner import cpu_backend\n"
-        "from gpu_planner.integration.sglang.plugin import register, compile_after_manager_init\n"
-        "register()\n"
-        "assert not cpu_backend._scan_pages.signatures, cpu_backend._scan_pages.signatures\n"
-        "compile_after_manager_init(None, object())\n"
-        "assert cpu_backend._scan_pages.signatures and cpu_backend._expand.signatures"
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "CUDA untouched" in result.stdout
 
 
 def test_a_process_without_cuda_is_left_alone():
