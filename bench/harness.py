@@ -109,10 +109,12 @@ def measure_interleaved(stages: dict[str, Stage], policy: RepeatPolicy) -> dict[
             needed[name] = repeats - len(samples[name])
         rounds = max(needed.values(), default=0)
         takes = {name: _sample_rounds(count, rounds) for name, count in needed.items()}
+        names = list(stages)
         for round_index in range(rounds):
-            for name, stage in stages.items():
+            first = round_index % len(names)  # each stage follows each other alike
+            for name in names[first:] + names[:first]:
                 if takes[name][round_index]:
-                    samples[name].append(stage.timer(stage.call))
+                    samples[name].append(stages[name].timer(stages[name].call))
     finally:
         gc.enable()
     return {name: Timing.from_samples(values) for name, values in samples.items()}

@@ -111,14 +111,14 @@ def _scan_pages(
     (a single space fills both rows); `counts[_DESCRIPTORS]` gets each batch's
     first descriptor, then N. `status` is the kernels' status word: the first
     negative page of each argument (then nothing else is done), and the first
-    descriptor past its buffer.
+    descriptor past its buffer. Returns whether it recorded an error.
     """
     negative = False
     for argument in range(pages.shape[0]):
         status[argument] = _first_negative(pages[argument])
         negative |= status[argument] != NO_ERROR
     if negative:
-        return
+        return True
     num_spaces = pages.shape[0] - 1
     capacity = tables.shape[2]
     for space in range(num_spaces):
@@ -137,6 +137,7 @@ def _scan_pages(
             num_host_buffers * counts[HOST_SPACE, batch]
             + num_device_buffers * counts[DEVICE_SPACE, batch]
         )
+    return status[OUT_OF_BOUNDS] != NO_ERROR
 
 
 @compiled
@@ -173,30 +174,28 @@ _NO_BUFFERS = BufferLayout([], [], [])
 
 def _scan(
     pages: dict[str, PageList], batch_pages: int, layout: BufferLayout
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
     """`_scan_pages` on the page lists, stacked in host memory; raise for a negative page.
 
-    Returns (tables, counts, status word).
+    Returns (tables, counts, the status word where it recorded an out-of-bounds
+    descriptor, else None).
     """
-    num_pages = len(next(iter(pages.values())))
+    page_lists = list(pages.values())
+    num_pages = len(page_lists[0])
     # One int64 row per page list, copied row by row in C (np.stack is Python code).
-    stacked = np.empty((len(pages), num_pages), dtype=np.int64)
-    for row, values in zip(stacked, pages.values(), strict=True):
-        row[:] = as_host_array(values)
+    stacked = np.empty((len(page_lists), num_pages), dtype=np.int64)
+    for row, values in enumerate(page_lists):
+        stacked[row] = values if type(values) is np.ndarray else as_host_array(values)
     tables = np.empty((2, 3, max(num_pages, 1)), dtype=np.int64)
     counts = np.empty((3, -(-num_pages // batch_pages) + 1), dtype=np.int64)
     status = new_status_array()
-    _scan_pages(
-        stacked,
-        batch_pages,
-        layout.dst_is_device,
-        layout.item_lens,
-        layout.byte_limits("src"),
-        layout.byte_limits("dst"),
-        tables,
-        counts,
-        status,
-    )
+    src_limits, dst_limits = layout.byte_limits("src"), layout.byte_limits("dst")
+    failed = _scan_pages(
+        stacked, batch_pages, layout.dst_is_device, layout.item_lens, src_limits, dst_limits,
+        tables, counts, status,
+    )  # fmt: skip
+    if not failed:
+        return tables, counts, None
     raise_recorded_negative_page(status, stacked)
     return tables, counts, status
 
@@ -225,22 +224,16 @@ def plan_descriptors(
     """
     tables, counts, status = _scan(pages, batch_pages, layout)
     num_spaces = len(pages) - 1
-    out_of_bounds = recorded_out_of_bounds(status, tables.shape[2])
-    if out_of_bounds is not None:
-        buffer, run, side = out_of_bounds
+    if status is not None:  # a descriptor past its buffer
+        buffer, run, side = recorded_out_of_bounds(status, tables.shape[2])
         space_runs = tables[layout.space[buffer]]
         page_start = int(space_runs[0 if side == "src" else 1, run])
         raise layout.bounds_error(buffer, side, page_start, int(space_runs[2, run]))
     columns = np.empty((3, counts[_DESCRIPTORS, -1]), dtype=np.int64)
     _expand(
-        tables,
-        counts,
-        layout.dst_is_device,
-        layout.src_ptrs,
-        layout.dst_ptrs,
-        layout.item_lens,
+        tables, counts, layout.dst_is_device, layout.src_ptrs, layout.dst_ptrs, layout.item_lens,
         columns,
-    )
+    )  # fmt: skip
     return HostDescriptors(columns, counts[_DESCRIPTORS], list(counts[:num_spaces]))
 
 

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
 
-@dataclass(frozen=True)
-class HostDescriptors:
+class HostDescriptors(NamedTuple):
     """Descriptor columns and where each batch starts, in host memory."""
 
     columns: np.ndarray  # int64 [3, num_descriptors]: src_addrs, dst_addrs, lengths

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import numpy as np
 import torch
@@ -158,8 +157,7 @@ def batch_page_count(num_pages: int, max_batch_pages: int) -> int:
 PAGE_ARGUMENTS = tuple(NEGATIVE_PAGE_SLOTS)  # src_pages, dst_pages, dst_device_pages
 
 
-@dataclass(frozen=True)
-class PageRequest:
+class PageRequest(NamedTuple):
     """One plan's validated page lists, where they live and how they are cut into batches."""
 
     pages: dict[str, PageList]  # by argument name: src_pages, dst_pages[, dst_device_pages]
@@ -183,17 +181,31 @@ def collect_pages(
 ) -> PageRequest:
     """Validated page lists by argument name (equal lengths, one torch device) and batch cut."""
     max_batch_pages = check_max_batch_pages(max_batch_pages)
-    pages = {"src_pages": as_page_list(src_pages, "src_pages")}
-    pages["dst_pages"] = as_page_list(dst_pages, "dst_pages")
-    if dst_device_pages is not None:
-        pages["dst_device_pages"] = as_page_list(dst_device_pages, "dst_device_pages")
-    for name in PAGE_ARGUMENTS[1:]:
-        if name in pages:
-            check_same_length(pages["src_pages"], "src_pages", pages[name], name)
+    given = [src_pages, dst_pages] if dst_device_pages is None else [
+        src_pages, dst_pages, dst_device_pages
+    ]  # fmt: skip
+    if all([_is_host_index_array(values) for values in given]):
+        # The CPU send path's case (sglang's NumPy page lists): nothing to view or convert.
+        pages = dict(zip(PAGE_ARGUMENTS, given, strict=False))
+        torch_device = HOST
+    else:
+        pages = {
+            name: as_page_list(values, name)
+            for name, values in zip(PAGE_ARGUMENTS, given, strict=False)
+        }
+        torch_device = None
     num_pages = len(pages["src_pages"])
-    return PageRequest(
-        pages, check_same_torch_device(pages), batch_page_count(num_pages, max_batch_pages)
-    )
+    for name, values in pages.items():
+        if len(values) != num_pages:
+            check_same_length(pages["src_pages"], "src_pages", values, name)
+    if torch_device is None:
+        torch_device = check_same_torch_device(pages)
+    return PageRequest(pages, torch_device, batch_page_count(num_pages, max_batch_pages))
+
+
+def _is_host_index_array(values: IndexLike) -> bool:
+    """A 1-D int32/int64 NumPy array: a page list as it is (`as_page_list` returns it)."""
+    return type(values) is np.ndarray and values.ndim == 1 and values.dtype in _INDEX_ARRAY_DTYPES
 
 
 def negative_page_error(name: str, position: int, value: int | None = None) -> PlanValidationError:

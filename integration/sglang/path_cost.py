@@ -68,15 +68,18 @@ the gate of both decides instead (the one not set at its default), as before
 the model: the benchmarks and a user who wants a fixed gate keep it. Both
 prices are still computed, and counted.
 
-**Counted** (`counters`): every choice by path and reason
-(`gpu_planner:paths_chosen_total{path, reason}`), and for every observed send
+**Counted** (`counters`): every priced send by the path it took and why
+(`gpu_planner:paths_chosen_total{path, reason}`, counted by the staged send's
+`decide`: a staged choice whose request does not line up goes direct, under
+that reason), and for every observed send
 its predicted and observed seconds by path (`..._predicted_seconds_total`,
 `..._observed_seconds_total`, `..._observed_sends_total`, and the histogram
 `gpu_planner:path_observed_over_predicted{path}`). The prediction compared is
 the prefill's part, what the send's time holds (a staged send's scatter aside).
 
-The staged send calls `choose` once per send it could stage (the decode offered
-staging and lent the request a part) and `observe` when a send to that peer
+The staged send calls `choose` once per send whose buffers it could stage (the
+decode offered staging; whether the request lines up is looked up only for a
+send priced faster staged) and `observe` when a send to that peer
 completed, either path, with what it handed Mooncake (descriptors, or the
 staged send's pieces), its bytes and its wall time on the prefill.
 """
@@ -89,6 +92,7 @@ import math
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -224,8 +228,7 @@ def staged_pieces(nbytes: int, slot_bytes: int) -> int:
     return max(1, -(-nbytes // slot_bytes)) if slot_bytes > 0 else 1
 
 
-@dataclass(frozen=True)
-class Choice:
+class Choice(NamedTuple):
     """One send's path, both prices (seconds; staged with the decode's scatter) and why."""
 
     path: str
@@ -273,21 +276,30 @@ class Gate:
 PASSES_GATE = "passes the gate (GPU_PLANNER_STAGING_* set)"
 
 
+# The learned figures a path's time holds (indices into the figure vector): its fixed cost,
+# the request and its bytes. A send's features are zero at the other two, so each path's
+# sums are a 3 x 3 block of the fit's 5 x 5 normal matrix.
+PATH_FIGURES = ((0, 2, 3), (1, 2, 4))  # direct, staged
+_BLOCK = len(PATH_FIGURES[0])
+
+
 class _Peer:
     """One peer's learning state: fixed size, whatever the number of its sends."""
 
     __slots__ = ("moments", "targets", "sends", "warm", "since", "figures", "unsolved", "pending")
 
     def __init__(self, seeds: Figures) -> None:
-        self.moments = np.zeros((len(PATHS), _LEARNED, _LEARNED))  # per path: sum of w z z^T
-        self.targets = np.zeros((len(PATHS), _LEARNED))  # per path: sum of w z y
+        # Per path, Python floats (an observation adds to them without a NumPy call): the sum
+        # of w z z^T over its figures (`PATH_FIGURES`), row-major, and of w z y.
+        self.moments = [[0.0] * (_BLOCK * _BLOCK) for _ in PATHS]
+        self.targets = [[0.0] * _BLOCK for _ in PATHS]
         self.sends = [0, 0]  # successful sends observed, by path
         self.warm = [False, False]  # a first send of the path came (and was not learned from)
         self.since = [0, 0]  # choices since each path was last chosen (capped at the interval)
         self.figures = seeds  # the last solved figures
         self.unsolved = 0  # observations since they were solved
         # Observations not yet in the sums: (path index, requests, bytes, seconds, predicted),
-        # at most SOLVE_EVERY (folded in at once: a send's observation costs no NumPy call).
+        # at most SOLVE_EVERY (folded in at once).
         self.pending: list[tuple[int, int, int, float, float]] = []
 
 
@@ -310,6 +322,7 @@ class PathCosts:
         self.max_peers = max_peers
         seed = seeds._learned()
         self._scale = np.maximum(seed, _SCALE_FLOOR)  # the fit solves for figure / scale
+        self._path_scales = [self._scale[list(figures)].tolist() for figures in PATH_FIGURES]
         self._lower = np.minimum(_LOWER, seed)
         self._upper = np.maximum(_UPPER, seed)
         self._prior = np.eye(_LEARNED) / SEED_SPREAD**2
@@ -329,10 +342,11 @@ class PathCosts:
     def choose(self, peer: str, descriptors: int, nbytes: int, staged_pieces: int) -> Choice:
         """The path for a send to `peer` of `descriptors` direct, `staged_pieces` staged.
 
-        Counted by path and reason. Deterministic for a given state: the
-        cheaper path (direct on a tie), or, at most once per probe interval of
-        this peer's choices, the other one where it is priced at most
-        `PROBE_MAX_LOSS` slower; under an override gate, the gate's.
+        Deterministic for a given state: the cheaper path (direct on a tie),
+        or, at most once per probe interval of this peer's choices, the other
+        one where it is priced at most `PROBE_MAX_LOSS` slower; under an
+        override gate, the gate's. The caller counts the path the send takes
+        (`counters.record_path_choice`: a staged choice may still go direct).
         """
         with self._lock:
             state = self._peer(peer)
@@ -344,7 +358,6 @@ class PathCosts:
                 path, reason = (STAGED, PASSES_GATE) if refusal is None else (DIRECT, refusal)
             else:
                 path, reason = self._by_price(state, direct_s, staged_s)
-        counters.record_path_choice(path, reason)
         return Choice(path, direct_s, staged_s, reason)
 
     def _by_price(self, state: _Peer, direct_s: float, staged_s: float) -> tuple[str, str]:
@@ -391,35 +404,29 @@ class PathCosts:
         return True
 
     def _fold(self, state: _Peer) -> None:
-        """Add the pending observations to the sums, in order, as one NumPy update per path.
+        """Add the pending observations to the sums, in order.
 
         Each observation's features are its terms' prices at the seeds' scale
         (the fit solves for figure / scale); it weighs 1 / (price^2 q^2 NOISE^2)
         for a time off its price by a factor q, and every later observation of
-        its path decays it by `_DECAY`.
+        its path decays it by `_DECAY`. Plain float arithmetic on the 3 x 3
+        block of its path: a few microseconds, where NumPy's calls on arrays
+        this small cost about 150 us after a transfer left the caches cold.
         """
-        if not state.pending:
-            return
-        rows = np.array(state.pending, dtype=np.float64)
-        state.pending.clear()
-        for index in range(len(PATHS)):
-            mine = rows[rows[:, 0] == index]
-            count = len(mine)
-            if not count:
-                continue
-            requests, nbytes, seconds, predicted = mine[:, 1:].T
-            staged = float(index == PATHS.index(STAGED))
-            features = self._scale * np.column_stack(
-                [np.full(count, 1.0 - staged), np.full(count, staged), requests,
-                 nbytes * (1.0 - staged), nbytes * staged]
-            )  # fmt: skip
+        for index, requests, nbytes, seconds, predicted in state.pending:
+            fixed, per_request, per_byte = self._path_scales[index]
+            features = (fixed, per_request * requests, per_byte * nbytes)
             ratio = seconds / predicted
-            weight = 1.0 / (predicted**2 * np.maximum(ratio, 1 / ratio) ** 2 * NOISE**2)
-            weight *= _DECAY ** np.arange(count - 1, -1, -1)  # the later ones decay it
-            state.moments[index] *= _DECAY**count
-            state.moments[index] += (features.T * weight) @ features
-            state.targets[index] *= _DECAY**count
-            state.targets[index] += features.T @ (weight * seconds)
+            off = ratio if ratio >= 1.0 else 1.0 / ratio
+            weight = 1.0 / (predicted * predicted * off * off * NOISE * NOISE)
+            moments, targets = state.moments[index], state.targets[index]
+            for row, feature in enumerate(features):
+                weighted = weight * feature
+                targets[row] = targets[row] * _DECAY + weighted * seconds
+                for column, other in enumerate(features):
+                    cell = row * _BLOCK + column
+                    moments[cell] = moments[cell] * _DECAY + weighted * other
+        state.pending.clear()
 
     def figures(self, peer: str | None = None) -> Figures:
         """`peer`'s current figures (the seeds for a peer not kept, or without one)."""
@@ -433,12 +440,13 @@ class PathCosts:
             return list(self._peers)
 
     def state_bytes(self) -> int:
-        """Bytes of the learning state (its pending observations at their most, `SOLVE_EVERY`):
-        bounded by `max_peers`, not by sends."""
-        pending_bytes = SOLVE_EVERY * 5 * 8
+        """Bytes of the learning state, 8 per number kept (its pending observations at their
+        most, `SOLVE_EVERY`): bounded by `max_peers`, not by sends."""
+        pending_numbers = SOLVE_EVERY * 5
         with self._lock:
-            return sum(
-                s.moments.nbytes + s.targets.nbytes + pending_bytes for s in self._peers.values()
+            return 8 * sum(
+                sum(map(len, state.moments)) + sum(map(len, state.targets)) + pending_numbers
+                for state in self._peers.values()
             )
 
     def _peer(self, peer: str) -> _Peer:
@@ -456,8 +464,12 @@ class PathCosts:
         if state.unsolved >= every:
             state.unsolved = 0
             self._fold(state)
-            matrix = self._prior + state.moments.sum(axis=0)
-            target = self._prior_target + state.targets.sum(axis=0)
+            matrix, target = self._prior.copy(), self._prior_target.copy()
+            for figures, moments, targets in zip(
+                PATH_FIGURES, state.moments, state.targets, strict=True
+            ):
+                matrix[np.ix_(figures, figures)] += np.reshape(moments, (_BLOCK, _BLOCK))
+                target[list(figures)] += targets
             solved = np.linalg.solve(matrix, target) * self._scale
             learned = np.clip(solved, self._lower, self._upper)
             seeds = self.seeds

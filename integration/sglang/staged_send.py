@@ -47,7 +47,7 @@ from gpu_planner import settings
 from gpu_planner.head_slices import HeadSliceLayout
 from gpu_planner.integration.sglang import bounds
 from gpu_planner.integration.sglang.adapter import sglang_handoff
-from gpu_planner.integration.sglang.counters import record_send
+from gpu_planner.integration.sglang.counters import record_path_choice, record_send
 from gpu_planner.integration.sglang.fallback import current_send, log_fallback_once
 from gpu_planner.integration.sglang.gathered import (
     Chunk,
@@ -85,6 +85,7 @@ class Route:
     reservation: Reservation
     pages: weakref.ref  # the TransferInfo's destination pages (the send's slices view them):
     # weak, so that the route ends with sglang's TransferInfo
+    pages_address: int  # where those pages' data starts (a slice's offset is from here)
     staged_notes: int = 0  # notes sent for this request: its Success status declares them
 
 
@@ -151,7 +152,7 @@ def transfer_info_hook(original: Any, cls: Any, msg: Any, *args: Any, **kwargs: 
         pages_ref = weakref.ref(pages)
         route = Route(
             info.room, info.mooncake_session_id, info.endpoint, info.dst_port,
-            region, reservation, pages_ref,
+            region, reservation, pages_ref, pages.ctypes.data,
         )  # fmt: skip
         key = id(pages)
         with _lock:
@@ -175,12 +176,11 @@ def _forget_route(key: int, pages_ref: weakref.ref) -> None:
 def route_for(dst_pages: np.ndarray) -> tuple[Route, int] | None:
     """The request `dst_pages` (a slice of its metadata's pages) belongs to, and its first page."""
     base = dst_pages.base if isinstance(dst_pages.base, np.ndarray) else dst_pages
-    with _lock:
-        route = _routes.get(id(base))
+    route = _routes.get(id(base))  # one dict read: atomic, no lock
     if route is None or route.pages() is not base or dst_pages.dtype != base.dtype:
         return None
     itemsize = base.dtype.itemsize
-    offset = dst_pages.ctypes.data - base.ctypes.data
+    offset = dst_pages.ctypes.data - route.pages_address
     if dst_pages.strides != (itemsize,) or offset % itemsize:
         return None
     return route, offset // itemsize
@@ -283,13 +283,16 @@ def decide(
     """Whether a send goes staged: how, or why not (counted by the caller); None where the
     decode offered no staging at all.
 
-    The one place that decides: first what must line up for the decode to
-    scatter the pieces into this request's pages, then what the send would
-    cost each way to this peer (`path_cost`: the model, or the gate a user set).
+    The one place that decides, in three steps: what this prefill and the
+    send's buffers allow (no request is looked up); what the send would cost
+    each way to this peer (`path_cost`: the model, or the gate a user set);
+    and, for a send priced faster staged, whether its request lines up for
+    the decode's scatter (`_line_up`). A send priced slower staged (most
+    small sends) goes direct without that look-up. Each priced send's path is
+    counted with its reason: direct where staging was priced slower or a
+    staged choice did not line up (under the line-up's reason).
     """
-    with _lock:
-        offered = session in _peers
-    if not offered or not src_pages.size:
+    if session not in _peers or not src_pages.size:  # one dict read: atomic, no lock
         return None
     if isinstance(entries, str):  # the send's buffers cannot be staged: why
         return entries
@@ -297,6 +300,40 @@ def decide(
         return "page lists of unequal lengths"
     if getattr(manager, "deferred_bootstrap", None) is not None:
         return "sglang publishes this prefill's Success later (deferred bootstrap)"
+    staging = staging_for(manager)
+    if isinstance(staging, str):
+        return f"no send staging: {staging}"
+    chunk_page_bytes = entries.chunk_page_bytes
+    pages_per_slot = staging.slot_bytes // chunk_page_bytes
+    if pages_per_slot == 0:
+        return f"a page of every buffer ({chunk_page_bytes} bytes) exceeds a slot"
+    num_pages = src_pages.size
+    nbytes = num_pages * chunk_page_bytes
+    choice = path_costs().choose(session, descriptors, nbytes, -(-num_pages // pages_per_slot))
+    if not choice.staged:
+        record_path_choice(DIRECT, choice.reason)
+        return choice.reason
+    lined_up = _line_up(manager, session, dst_pages, entries, num_pages)
+    if isinstance(lined_up, str):
+        record_path_choice(DIRECT, lined_up)
+        return lined_up
+    record_path_choice(STAGED, choice.reason)
+    route, page_start, decode_page_bytes, entry_ids, prefill_rank, src_lens = lined_up
+    chunks = [
+        (first, min(pages_per_slot, num_pages - first))
+        for first in range(0, num_pages, pages_per_slot)
+    ]
+    return StagedWrite(
+        route, page_start, decode_page_bytes, entry_ids, prefill_rank, staging, src_lens,
+        chunks, nbytes,
+    )  # fmt: skip
+
+
+def _line_up(
+    manager: Any, session: str, dst_pages: np.ndarray, entries: StagedEntries, num_pages: int
+) -> tuple[Route, int, int, list[int], int, np.ndarray] | str:
+    """What the decode's scatter of this send into its request's pages needs, or why it cannot:
+    (route, first page, decode bytes per page, entry ids, prefill rank, source rooms)."""
     found = route_for(dst_pages)
     if found is None:
         return "no part of the decode's receive staging lent to this request"
@@ -309,7 +346,6 @@ def decide(
         prefill_rank = int(manager._prefill_unique_rank())
     except Exception as error:  # a manager without sglang's rank fields: no note could name it
         return f"this prefill's rank is not known ({error})"
-    num_pages = src_pages.size
     reservation = route.reservation
     if (
         route.session != session
@@ -318,28 +354,10 @@ def decide(
         or decode_page_bytes % entries.writers
     ):
         return "the lent part does not match this send's pages"
-    staging = staging_for(manager)
-    if isinstance(staging, str):
-        return f"no send staging: {staging}"
-    chunk_page_bytes = entries.chunk_page_bytes
-    pages_per_slot = staging.slot_bytes // chunk_page_bytes
-    if pages_per_slot == 0:
-        return f"a page of every buffer ({chunk_page_bytes} bytes) exceeds a slot"
     src_lens = _registered_room(bounds.registration(manager.kv_args), entries.keys[0])
     if src_lens is None:
         return "a source buffer outside the prefill's registered memory"
-    chunks = [
-        (first, min(pages_per_slot, num_pages - first))
-        for first in range(0, num_pages, pages_per_slot)
-    ]
-    nbytes = num_pages * chunk_page_bytes
-    choice = path_costs().choose(session, descriptors, nbytes, len(chunks))
-    if not choice.staged:
-        return choice.reason
-    return StagedWrite(
-        route, page_start, decode_page_bytes, entry_ids, prefill_rank, staging, src_lens,
-        chunks, nbytes,
-    )  # fmt: skip
+    return route, page_start, decode_page_bytes, entry_ids, prefill_rank, src_lens
 
 
 def send_staged(
@@ -433,9 +451,7 @@ def send_staged(
 def observe_direct(session: str, descriptors: int, nbytes: int, seconds: float, ok: bool) -> None:
     """A send to `session` went direct: its time teaches the cost model, where that decode
     offers staging (the only peers it chooses for)."""
-    with _lock:
-        offered = session in _peers
-    if offered:
+    if session in _peers:  # one dict read: atomic, no lock
         _observe(session, DIRECT, descriptors, nbytes, seconds, 0 if ok else -1)
 
 

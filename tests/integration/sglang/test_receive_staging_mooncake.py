@@ -35,7 +35,13 @@ from sglang_plugin_support import (
 from suite_support import set_knob
 
 from gpu_planner import settings
-from gpu_planner.integration.sglang import counters, gathered, receive_staging, staged_send
+from gpu_planner.integration.sglang import (
+    counters,
+    gathered,
+    path_cost,
+    receive_staging,
+    staged_send,
+)
 from gpu_planner.integration.sglang.frames import KVRegistration, TransferRequest
 from gpu_planner.integration.sglang.staging_wire import STAGED_TAG
 
@@ -423,6 +429,36 @@ def test_a_send_below_the_gate_goes_as_planned_counted(
     np.testing.assert_array_equal(deployment.destination.tensor.numpy(), expected)
     deployment.deliver(12)
     assert receive_staging.existing_region(deployment.decode).lent_rooms == 0
+
+
+def test_a_staged_choice_whose_request_does_not_line_up_goes_direct_counted(deployments):
+    """The gate stages the send, but its pages are a copy of the request's (no lent part is
+    found for them): it goes as planned and lands sglang's bytes, counted direct under the
+    line-up's reason, while a send of the request's own pages is counted staged."""
+    deployment = deployments([256] * 8, 0, seed=9)
+    rng = np.random.default_rng(10)
+    src_pages, host_pages = fragmented(rng, 32, np.int64), fragmented(rng, 32)
+    expected = deployment.sglang_bytes(src_pages, host_pages, None)
+    info = deployment.request(14, host_pages, None)
+    reason = "no part of the decode's receive staging lent to this request"
+    before = counters.snapshot()
+    copied = dataclasses.replace(info, dst_kv_indices=info.dst_kv_indices.copy())
+    assert deployment.send(copied, src_pages, slice(0, 32)) == 0
+    after = counters.snapshot()
+
+    def grew(table: str, key: str) -> int:
+        return after[table].get(key, 0) - before[table].get(key, 0)
+
+    assert not deployment.notes and grew("sends", "generic/arrays") == 1
+    assert grew("paths_chosen", f"direct/{reason}") == 1
+    assert grew("fallbacks", f"not staged: {reason}") == 1
+    assert grew("paths_chosen", f"staged/{path_cost.PASSES_GATE}") == 0
+    np.testing.assert_array_equal(deployment.destination.tensor.numpy(), expected)
+    assert deployment.send(info, src_pages, slice(0, 32)) == 0
+    after = counters.snapshot()
+    assert len(deployment.notes) == 1
+    assert grew("paths_chosen", f"staged/{path_cost.PASSES_GATE}") == 1
+    deployment.deliver(14)
 
 
 SLICE_SEND = inspect.unwrap(conn.MooncakeKVManager.send_kvcache_slice)  # sglang's own
