@@ -94,7 +94,9 @@ def measure_interleaved(stages: dict[str, Stage], policy: RepeatPolicy) -> dict[
 
     Each stage gets as many samples as `policy` allows for its own speed; the
     samples of all stages are spread over the same rounds, so a load change on
-    the machine hits every planner alike and their ratios stay meaningful.
+    the machine hits every planner alike and their ratios stay meaningful. Each
+    round starts one stage further on, so each stage follows each other alike
+    (what one leaves in the caches, or cold, the next pays).
     """
     gc.collect()
     gc.disable()
