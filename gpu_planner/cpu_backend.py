@@ -185,7 +185,7 @@ def _scan(
     # One int64 row per page list, copied row by row in C (np.stack is Python code).
     stacked = np.empty((len(page_lists), num_pages), dtype=np.int64)
     for row, values in enumerate(page_lists):
-        stacked[row] = values if type(values) is np.ndarray else as_host_array(values)
+        stacked[row] = as_host_array(values)
     tables = np.empty((2, 3, max(num_pages, 1)), dtype=np.int64)
     counts = np.empty((3, -(-num_pages // batch_pages) + 1), dtype=np.int64)
     status = new_status_array()

@@ -181,9 +181,7 @@ def collect_pages(
 ) -> PageRequest:
     """Validated page lists by argument name (equal lengths, one torch device) and batch cut."""
     max_batch_pages = check_max_batch_pages(max_batch_pages)
-    given = [src_pages, dst_pages] if dst_device_pages is None else [
-        src_pages, dst_pages, dst_device_pages
-    ]  # fmt: skip
+    given = [src_pages, dst_pages] + ([] if dst_device_pages is None else [dst_device_pages])
     if all([_is_host_index_array(values) for values in given]):
         # The CPU send path's case (sglang's NumPy page lists): nothing to view or convert.
         pages = dict(zip(PAGE_ARGUMENTS, given, strict=False))
