@@ -61,9 +61,16 @@ class CudaRuntime:
         target.copy_(source, non_blocking=True)
 
     def host_register(self, address: int, nbytes: int) -> int:
-        """Page-lock host memory for every device (`cudaHostRegisterPortable`); the CUDA error."""
+        """Page-lock host memory for every device (`cudaHostRegisterPortable`); the CUDA error.
+
+        A failure is also cleared from the thread's last CUDA error, so that
+        torch does not report it as the error of the caller's next kernel.
+        """
         portable = 1
-        return int(torch.cuda.cudart().cudaHostRegister(address, nbytes, portable))
+        error = int(torch.cuda.cudart().cudaHostRegister(address, nbytes, portable))
+        if error != 0:
+            _clear_last_error()
+        return error
 
     def host_unregister(self, address: int) -> int:
         return int(torch.cuda.cudart().cudaHostUnregister(address))
@@ -102,6 +109,23 @@ def _cuda_driver() -> ctypes.CDLL | None:
         return ctypes.CDLL("libcuda.so.1")
     except OSError:
         return None
+
+
+@functools.cache
+def _cuda_runtime_library() -> ctypes.CDLL | None:
+    """The CUDA runtime torch loaded (found by its soname), or None."""
+    major = (torch.version.cuda or "").split(".")[0]
+    try:
+        return ctypes.CDLL(f"libcudart.so.{major}")
+    except OSError:
+        return None
+
+
+def _clear_last_error() -> None:
+    """Reset the calling thread's last CUDA runtime error (`cudaGetLastError`)."""
+    runtime_library = _cuda_runtime_library()
+    if runtime_library is not None:
+        runtime_library.cudaGetLastError()
 
 
 def _pointer_attribute(address: int, attribute: int) -> int | None:

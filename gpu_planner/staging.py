@@ -14,6 +14,7 @@ module's logic through a host stand-in.
 from __future__ import annotations
 
 import mmap
+import weakref
 from collections.abc import Sequence
 
 import numpy as np
@@ -21,10 +22,43 @@ import torch
 
 from gpu_planner import settings
 from gpu_planner.block_pool import Block, BlockPool
-from gpu_planner.cuda_runtime import cuda_runtime
+from gpu_planner.cuda_runtime import CudaRuntime, cuda_runtime
 from gpu_planner.cuda_streams import on_torch_device, torch_device_of
 
 ALIGN_BYTES = 16  # each tensor of a multi-tensor copy starts at this alignment
+
+
+class _PinnedMemory:
+    """Anonymous memory, page-locked for its whole life: unpinned before it is unmapped.
+
+    NumPy arrays made from it (`np.asarray`) have it as their base, so every
+    view keeps it mapped; the unpin runs at its death at the latest, with
+    the mapping still held, so no later mapping of the same addresses is
+    ever found pinned (CUDA error 712).
+    """
+
+    def __init__(self, nbytes: int) -> None:
+        runtime = cuda_runtime()
+        memory = mmap.mmap(-1, nbytes)
+        address = np.frombuffer(memory, dtype=np.uint8).ctypes.data
+        error = runtime.host_register(address, nbytes)
+        if error != 0:
+            raise RuntimeError(f"cudaHostRegister of {nbytes} bytes failed (error {error})")
+        self.cuda_device = runtime.current_device()
+        self.__array_interface__ = {
+            "data": (address, False),
+            "shape": (nbytes,),
+            "typestr": "|u1",
+            "version": 3,
+        }
+        self.unpin = weakref.finalize(self, _unpin, runtime, memory, address, self.cuda_device)
+        self.unpin.atexit = False  # the process's exit frees it: no CUDA call then
+
+
+def _unpin(runtime: CudaRuntime, memory: mmap.mmap, address: int, cuda_device: int) -> None:
+    """Unregister `address` under the device it was pinned on; `memory` stays mapped till then."""
+    with runtime.device_guard(torch.device("cuda", cuda_device)):
+        runtime.host_unregister(address)
 
 
 def allocate_pinned_block(nbytes: int) -> Block:
@@ -34,19 +68,14 @@ def allocate_pinned_block(nbytes: int) -> Block:
     unpinned, instead of staying pinned in torch's cache. Call it with the
     copy's device current, so no other device gets a CUDA context.
     """
-    runtime = cuda_runtime()
-    array = np.frombuffer(mmap.mmap(-1, nbytes), dtype=np.uint8)
-    error = runtime.host_register(array.ctypes.data, nbytes)
-    if error != 0:
-        raise RuntimeError(f"cudaHostRegister of {nbytes} bytes failed (error {error})")
-    return Block(array, torch.from_numpy(array), runtime.current_device())
+    memory = _PinnedMemory(nbytes)
+    array = np.asarray(memory)
+    return Block(array, torch.from_numpy(array), memory.cuda_device)
 
 
 def release_pinned_block(block: Block) -> None:
-    """Unpin a block of `allocate_pinned_block`; its memory goes with its last reference."""
-    runtime = cuda_runtime()
-    with runtime.device_guard(torch.device("cuda", block.cuda_device)):
-        runtime.host_unregister(block.array.ctypes.data)
+    """Unpin a block of `allocate_pinned_block` now; its memory goes with its last view."""
+    block.array.base.unpin()
 
 
 def copy_into_pool(

@@ -56,8 +56,9 @@ check warmup 240 "${cuda[@]}" "$python" -c "import time, gpu_planner as gp
 start = time.perf_counter(); launches = gp.warmup()
 print(f'{launches} launches, {time.perf_counter() - start:.1f} s')"
 # The core suite with the kernels on CUDA (tests/cuda reported per test below).
+# (tests/e2e starts sglang servers on CPU: CI runs them; the image has no sglang.)
 check pytest_cuda 200 "${cuda[@]}" "${pytest[@]}" tests --ignore=tests/integration \
-  --ignore=tests/bench --ignore=tests/cuda
+  --ignore=tests/bench --ignore=tests/cuda --ignore=tests/e2e
 # Staging lifetimes on the device: results of one copy checked after the next ones.
 check lifetimes 120 "${cuda[@]}" "${pytest[@]}" tests/test_cuda_host_path.py -k "cuda and not stand"
 # Streams, threads, devices (the KV's device from its memory, every device when 2+), sync-debug,
@@ -80,9 +81,18 @@ while read -r status name seconds; do
   report "$status" "$name" "$seconds"
   [ "$status" = FAIL ] && failures=$((failures + 1))
 done <"$out/cuda_paths.lines"
-# The interpreter twins of the kernel tests, on the same machine.
-check pytest_interpreter 200 "${interpreter[@]}" "${pytest[@]}" tests/test_plan.py \
-  tests/test_runs.py tests/test_pending.py tests/cuda
+# The interpreter twins of the kernel tests, on the same machine. Triton 3.6's
+# interpreter takes int() of 1-element arrays, which NumPy 2.4 refuses (Triton 3.8
+# squeezes first): where .whl/interpreter/ holds a NumPy 2.3 wheel, this check uses it.
+interpreter_path=${PYTHONPATH:-}
+if compgen -G ".whl/interpreter/*.whl" >/dev/null; then
+  "$python" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site-interpreter .whl/interpreter/*.whl >>"$out/install.txt" 2>&1 \
+    || broken_install "carried interpreter wheels"
+  interpreter_path="/tmp/site-interpreter${interpreter_path:+:$interpreter_path}"
+fi
+check pytest_interpreter 200 "${interpreter[@]}" PYTHONPATH="$interpreter_path" "${pytest[@]}" \
+  tests/test_plan.py tests/test_runs.py tests/test_pending.py tests/test_cuda_host_path.py tests/cuda
 if "$python" -c "import sglang.srt.disaggregation.mooncake.conn" >/dev/null 2>&1; then
   check pytest_sglang_cuda 120 "${cuda[@]}" "${pytest[@]}" tests/integration/sglang -k cuda
   check lifetimes_sglang_pages 120 "${cuda[@]}" "${pytest[@]}" \

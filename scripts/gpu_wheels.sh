@@ -12,4 +12,8 @@ done
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
   --implementation cp "${platforms[@]}" -d .whl "nvtx==0.2.17" \
   2> >(grep -v "^WARNING: Location 'file:" >&2)
-ls .whl
+# NumPy 2.3 for the interpreter check alone (gpu_check.sh says why).
+python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+  --implementation cp "${platforms[@]}" -d .whl/interpreter "numpy==2.3.5" \
+  2> >(grep -v "^WARNING: Location 'file:" >&2)
+ls .whl .whl/interpreter

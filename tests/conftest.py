@@ -73,7 +73,13 @@ def host_cuda(monkeypatch):
 
 @pytest.fixture(
     params=[
-        "host-stand-in",
+        pytest.param(
+            "host-stand-in",
+            marks=pytest.mark.skipif(
+                not interpreter_enabled(),
+                reason="the stand-in runs its kernels on the Triton interpreter (cuda twin runs)",
+            ),
+        ),
         pytest.param(
             "cuda",
             marks=pytest.mark.skipif(not ON_CUDA, reason="no CUDA device (stand-in twin runs)"),

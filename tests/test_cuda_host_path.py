@@ -200,3 +200,28 @@ def test_evicted_blocks_are_unpinned_once(host_cuda):
     assert len(host_cuda.pinned) == 1
     del host
     assert pool.retained_bytes == 0 and host_cuda.pinned == {}
+
+
+def test_pinned_memory_is_unpinned_before_it_is_unmapped_whoever_drops_it(host_cuda):
+    """A pool dropped with free blocks, a block outlived by a view: each is unpinned, once,
+    while still mapped (a mapping freed pinned makes the next one at its address fail)."""
+    pool = staging.pinned_pool()
+    (host,), copied = staging.copy_into_pool(pool, [torch.arange(10)])
+    copied.synchronize()
+    del host
+    assert pool.retained_bytes > 0 and len(host_cuda.pinned) == 1  # a free block, pinned
+    del pool
+    gc.collect()
+    assert host_cuda.pinned == {}
+    block = staging.allocate_pinned_block(4096)
+    view = block.tensor[:8]
+    del block
+    gc.collect()
+    assert list(host_cuda.pinned) == [view.data_ptr()]  # still viewed: mapped and pinned
+    view.fill_(7)
+    del view
+    gc.collect()
+    assert host_cuda.pinned == {}
+    released = staging.allocate_pinned_block(4096)
+    staging.release_pinned_block(released)
+    assert host_cuda.pinned == {} and released.array.base.unpin.alive is False

@@ -45,7 +45,7 @@ def test_pending_pages_match_the_definition(backend_device, tokens, page_size, d
     host = pending.wait()
     assert (host.host.device.type, host.device.device.type) == ("cpu", "cpu")
     assert host.host.dtype == host.device.dtype == dtype
-    assert pending.computed.device.device == device
+    assert pending.computed.device.device.type == device.type
 
 
 def test_numpy_input_gives_numpy_pages():

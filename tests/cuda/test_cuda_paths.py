@@ -50,8 +50,13 @@ def expected_columns(pages, layout, max_batch_pages=0) -> np.ndarray:
     return plan.columns_array()
 
 
+def pages_on(device: torch.device, pages) -> list[torch.Tensor]:
+    """The request's three page lists as tensors on `device`."""
+    return [torch.from_numpy(values).to(device) for values in pages]
+
+
 def plan_on(device: torch.device, pages, layout, max_batch_pages=0) -> gp.TransferPlan:
-    src, dst, dst_device = (torch.from_numpy(values).to(device) for values in pages)
+    src, dst, dst_device = pages_on(device, pages)
     return gp.plan_transfer(src, dst, layout, dst_device, max_batch_pages, backend="triton")
 
 
@@ -128,9 +133,10 @@ def test_reading_a_plan_never_waits_for_the_callers_stream():
 def test_plan_transfer_and_its_read_never_synchronise_the_host_otherwise():
     pages, layout = request(2048, 61, seed=4)
     plan_on(DEVICE, pages, layout).materialize()  # tables copied, blocks pinned
+    src, dst, dst_device = pages_on(DEVICE, pages)  # the caller's pages, already on the GPU
     torch.cuda.set_sync_debug_mode("error")
     try:
-        plan = plan_on(DEVICE, pages, layout, 1024)
+        plan = gp.plan_transfer(src, dst, layout, dst_device, 1024, backend="triton")
         columns = plan.columns_array()  # waits on events only
     finally:
         torch.cuda.set_sync_debug_mode(0)
