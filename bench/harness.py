@@ -56,14 +56,27 @@ def wall_timer(fn: Callable[[], Any]) -> float:
     return time.perf_counter() - start
 
 
+GPU_HOLD_CYCLES = 20_000_000  # about 10 ms at the H200's 1.98 GHz: longer than fn's launches
+
+
 def cuda_event_timer(fn: Callable[[], Any]) -> float:
-    """Seconds of GPU time between events recorded before and after `fn` (its launches)."""
+    """Seconds of GPU time of `fn`'s launches, between events recorded before and after it.
+
+    The stream first runs a sleep kernel, so `fn`'s launches queue behind it
+    and run back to back: the figure is the GPU's work, not the host's
+    launch gaps (which `cuda_wall_timer` counts). Raises if `fn` took longer
+    on the host than the sleep, where the gaps would leak in.
+    """
     start = torch.cuda.Event(enable_timing=True)
     end = torch.cuda.Event(enable_timing=True)
+    torch.cuda._sleep(GPU_HOLD_CYCLES)
     start.record()
     fn()
     end.record()
+    launched_while_held = not start.query()
     end.synchronize()
+    if not launched_while_held:
+        raise RuntimeError("cuda_event_timer: fn's launches outlasted the sleep; raise the hold")
     return start.elapsed_time(end) / 1e3
 
 
