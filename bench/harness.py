@@ -102,14 +102,36 @@ def _sample_rounds(wanted: int, rounds: int) -> list[bool]:
     return [(i * wanted) // rounds != ((i + 1) * wanted) // rounds for i in range(rounds)]
 
 
+def balanced_orders(count: int) -> list[list[int]]:
+    """Orders of `count` stages in which each stage runs right after each other equally often.
+
+    A Williams design: the first order is 0, 1, n-1, 2, n-2, ...; the others
+    add 1, 2, ... to every position (mod n), and for an odd n their reverses
+    follow (n orders for an even n, 2n for an odd one). Starting each round
+    one stage further on in a fixed order would not do: within a round every
+    stage would still follow the same one.
+    """
+    first, low, high = [0], 1, count - 1
+    while len(first) < count:
+        if len(first) % 2:
+            first.append(low)
+            low += 1
+        else:
+            first.append(high)
+            high -= 1
+    orders = [[(stage + shift) % count for stage in first] for shift in range(count)]
+    return orders + [order[::-1] for order in orders] if count % 2 else orders
+
+
 def measure_interleaved(stages: dict[str, Stage], policy: RepeatPolicy) -> dict[str, Timing]:
     """Time every stage after one warm-up call each, interleaving their samples.
 
     Each stage gets as many samples as `policy` allows for its own speed; the
     samples of all stages are spread over the same rounds, so a load change on
-    the machine hits every planner alike and their ratios stay meaningful. Each
-    round starts one stage further on, so each stage follows each other alike
-    (what one leaves in the caches, or cold, the next pays).
+    the machine hits every planner alike and their ratios stay meaningful. The
+    rounds take their order from `balanced_orders`, so each stage runs right
+    after each other alike (what one leaves in the caches, or cold, the next
+    pays).
     """
     gc.collect()
     gc.disable()
@@ -125,9 +147,9 @@ def measure_interleaved(stages: dict[str, Stage], policy: RepeatPolicy) -> dict[
         rounds = max(needed.values(), default=0)
         takes = {name: _sample_rounds(count, rounds) for name, count in needed.items()}
         names = list(stages)
+        orders = balanced_orders(len(names))
         for round_index in range(rounds):
-            first = round_index % len(names)  # each stage follows each other alike
-            for name in names[first:] + names[:first]:
+            for name in (names[stage] for stage in orders[round_index % len(orders)]):
                 if takes[name][round_index]:
                     samples[name].append(stages[name].timer(stages[name].call))
     finally:

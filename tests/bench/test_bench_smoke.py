@@ -1,18 +1,21 @@
-"""Smoke test of the benchmark: a tiny sweep writes its outputs, and all planners agree.
+"""Smoke test of the benchmark: a tiny sweep writes its outputs, and all planners agree;
+the interleaved rounds' orders.
 
 No timing is asserted: speed is what the benchmark reports, not what tests check.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import itertools
 import json
 
 import numpy as np
 import pytest
 
 from bench.cases import quick_cases
-from bench.harness import RepeatPolicy
+from bench.harness import RepeatPolicy, Stage, balanced_orders, measure_interleaved
 from bench.inputs import make_input
 from bench.planners import ReferenceLoopPlanner, make_planners
 from bench.progress import ProgressBar
@@ -71,3 +74,21 @@ def test_run_case_flags_a_planner_that_disagrees():
     result = run_case(case, planners, TINY_POLICY, seed=0, progress=ProgressBar(1))
 
     assert not result["descriptors_identical"]
+
+
+@pytest.mark.parametrize("count", range(1, 9))
+def test_balanced_orders_put_each_stage_right_after_each_other_equally_often(count):
+    orders = balanced_orders(count)
+    assert all(sorted(order) == list(range(count)) for order in orders)
+    followers = collections.Counter(pair for order in orders for pair in itertools.pairwise(order))
+    assert set(followers) == set(itertools.permutations(range(count), 2))
+    assert len(set(followers.values())) <= 1
+
+
+def test_interleaved_rounds_take_the_balanced_orders():
+    calls = []
+    stages = {name: Stage(lambda name=name: calls.append(name)) for name in "abcd"}
+    measure_interleaved(stages, RepeatPolicy(budget_s=0, min_repeats=8, max_repeats=8))
+    rounds = [calls[start : start + 4] for start in range(4, len(calls), 4)]  # after warm-ups
+    expected = [["abcd"[stage] for stage in order] for order in balanced_orders(4)] * 2
+    assert rounds == expected
