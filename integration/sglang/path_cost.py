@@ -81,7 +81,10 @@ The staged send calls `choose` once per send whose buffers it could stage (the
 decode offered staging; whether the request lines up is looked up only for a
 send priced faster staged) and `observe` when a send to that peer
 completed, either path, with what it handed Mooncake (descriptors, or the
-staged send's pieces), its bytes and its wall time on the prefill.
+staged send's pieces), its bytes and its wall time on the prefill. A send priced
+so far below staging that no probe could take it (most small sends) is chosen
+without the lock, from the peer's last solved figures: the same choice, with no
+wait on the transfer threads that send to other peers.
 """
 
 from __future__ import annotations
@@ -303,6 +306,11 @@ class _Peer:
         self.pending: list[tuple[int, int, int, float, float]] = []
 
 
+def _solve_every(state: _Peer) -> int:
+    """After how many observations a choice solves the peer's figures again."""
+    return SOLVE_EVERY if state.sends[0] + state.sends[1] > HALF_LIFE else 1
+
+
 class PathCosts:
     """Prices each path per peer and picks the cheaper; learns from completed sends. Thread-safe."""
 
@@ -348,9 +356,12 @@ class PathCosts:
         override gate, the gate's. The caller counts the path the send takes
         (`counters.record_path_choice`: a staged choice may still go direct).
         """
+        quick = self._clearly_direct(peer, descriptors, nbytes, staged_pieces)
+        if quick is not None:
+            return quick
         with self._lock:
             state = self._peer(peer)
-            figures = self._figures(state, SOLVE_EVERY if sum(state.sends) > HALF_LIFE else 1)
+            figures = self._figures(state, _solve_every(state))
             direct_s = figures.direct_s(descriptors, nbytes)
             staged_s = figures.staged_s(staged_pieces, nbytes)
             if self.gate is not None:
@@ -359,6 +370,29 @@ class PathCosts:
             else:
                 path, reason = self._by_price(state, direct_s, staged_s)
         return Choice(path, direct_s, staged_s, reason)
+
+    def _clearly_direct(
+        self, peer: str, descriptors: int, nbytes: int, staged_pieces: int
+    ) -> Choice | None:
+        """`choose`'s answer, without its lock, for a send priced so far below staging that no
+        probe could take it (most small sends); None: ask `choose` (no figures to solve first).
+
+        The same choice as under the lock: the figures are the peer's last
+        solved ones (one attribute read), and the probe clocks move as there
+        (a concurrent choice may lose one tick: a probe one send later).
+        The peer's recency is kept by `observe`, which every completed send calls.
+        """
+        state = self._peers.get(peer)  # a dict read: atomic; a peer not kept takes the lock
+        if state is None or self.gate is not None or state.unsolved >= _solve_every(state):
+            return None
+        figures = state.figures
+        direct_s = figures.direct_s(descriptors, nbytes)
+        staged_s = figures.staged_s(staged_pieces, nbytes)
+        if staged_s <= direct_s * (1 + PROBE_MAX_LOSS):
+            return None
+        state.since[0] = 0  # PATHS: direct chosen, staged one choice further from its last
+        state.since[1] = min(state.since[1] + 1, self.probe_interval)
+        return Choice(DIRECT, direct_s, staged_s, PRICED_SLOWER)
 
     def _by_price(self, state: _Peer, direct_s: float, staged_s: float) -> tuple[str, str]:
         cheaper, dearer = (STAGED, DIRECT) if staged_s < direct_s else (DIRECT, STAGED)

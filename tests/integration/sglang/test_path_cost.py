@@ -271,6 +271,73 @@ def test_it_never_chooses_a_path_its_own_model_prices_higher(seeds, steps, inter
             assert choice.reason == (PRICED_FASTER if cheaper == STAGED else PRICED_SLOWER)
 
 
+class LockedOnly(PathCosts):
+    """The model with every choice taken under its lock (no lock-free shortcut)."""
+
+    def _clearly_direct(self, *_arguments):
+        return None
+
+
+class CountedShortcuts(PathCosts):
+    """The model, counting the choices its lock-free shortcut answered."""
+
+    shortcuts = 0
+
+    def _clearly_direct(self, *arguments):
+        answer = super()._clearly_direct(*arguments)
+        self.shortcuts += answer is not None
+        return answer
+
+
+# Sends from far below the crossover to far above it (the seeds stage from a few hundred
+# descriptors of 4 KiB), and the times they took, off their seeded price by up to 4x.
+send_shape = st.tuples(
+    st.sampled_from([1, 8, 32, 64, 128, 256, 488, 1024, 1952, 4096]),  # descriptors
+    st.sampled_from([1024, 4096, 16384]),  # mean bytes
+)
+seeded_step = st.tuples(
+    st.sampled_from(["a", "b"]), send_shape, st.sampled_from([0.25, 0.8, 1.0, 1.3, 4.0])
+)
+
+
+@given(
+    seeds=st.sampled_from([TCP, EXACT]),
+    steps=st.lists(seeded_step, min_size=1, max_size=120),
+    interval=st.sampled_from([0, 3, 8]),
+)
+def test_the_lock_free_choice_of_a_clearly_direct_send_is_the_locked_ones(seeds, steps, interval):
+    """Same choices, prices, figures and probe clocks as a model that always takes the lock,
+    whatever it learned (each send observed on the path chosen, at its price times `off`)."""
+    quick = CountedShortcuts(seeds, probe_interval=interval)
+    locked = LockedOnly(seeds, probe_interval=interval)
+    for peer, (descriptors, mean_bytes), off in steps:
+        nbytes, pieces = descriptors * mean_bytes, 1
+        shortcuts = quick.shortcuts
+        choice = quick.choose(peer, descriptors, nbytes, pieces)
+        assert choice == locked.choose(peer, descriptors, nbytes, pieces)
+        if quick.shortcuts > shortcuts:
+            assert (choice.path, choice.reason) == (DIRECT, PRICED_SLOWER)
+        states = [costs._peers[peer] for costs in (quick, locked)]
+        assert states[0].since == states[1].since and states[0].figures == states[1].figures
+        requests = descriptors if choice.path == DIRECT else pieces
+        seconds = off * seeds.send_s(choice.path, requests, nbytes)
+        for costs in (quick, locked):
+            costs.observe(peer, choice.path, requests, nbytes, seconds)
+
+
+def test_a_clearly_direct_send_skips_the_lock_once_its_peer_is_kept():
+    costs = PathCosts(TCP, probe_interval=4)
+    assert costs._clearly_direct("peer", 32, 32 * 4096, 1) is None  # no state kept yet
+    costs.choose("peer", 32, 32 * 4096, 1)
+    quick = costs._clearly_direct("peer", 32, 32 * 4096, 1)
+    assert quick == costs.choose("peer", 32, 32 * 4096, 1)
+    assert quick.path == DIRECT and quick.reason == PRICED_SLOWER
+    assert costs._clearly_direct("peer", 8192, 8192 * 1024, 1) is None  # staged, or near it
+    assert PathCosts(TCP, gate=Gate(64, 1 << 16))._clearly_direct("peer", 32, 4096, 1) is None
+    near = (488, 488 * 16384, 1)  # staging priced 11% slower: within a probe's loss
+    assert [costs.choose("near", *near).path for _ in range(5)] == [DIRECT] * 4 + [STAGED]
+
+
 # --- learning -------------------------------------------------------------------------------
 
 
