@@ -91,6 +91,9 @@ STAGE_EVERY_SEND = Gate(min_descriptors=1, max_mean_bytes=1 << 40)  # the `stage
 VARIANTS = ("sglang", "hook", "staged", "chosen")
 TARGET_RATIO, TARGET_DESCRIPTORS = 10.0, 1000  # staged (with scatter) vs hook, from the issue
 MIN_REPEATS = 5  # samples per variant at least, interleaved: the wire is noisy on a shared machine
+# and at most: a sub-millisecond send's time spreads +-30% here, so a 5% difference between
+# variants needs hundreds of samples (the budget stops the large sends long before).
+MAX_REPEATS = 400
 
 
 def fragmented_pages(rng: np.random.Generator, pool_pages: int, count: int) -> np.ndarray:
@@ -509,7 +512,9 @@ def measure(
                 "scatter": bench.scatter,
                 "wire": bench.wire_only,
             }
-            policy = RepeatPolicy(budget_s=budget_s, min_repeats=MIN_REPEATS, max_repeats=30)
+            policy = RepeatPolicy(
+                budget_s=budget_s, min_repeats=MIN_REPEATS, max_repeats=MAX_REPEATS
+            )
             before = dict(bench.chosen_costs.paths)
             figures = measure_sends(stages, policy)
             paths = {path: n - before[path] for path, n in bench.chosen_costs.paths.items()}

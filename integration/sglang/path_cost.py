@@ -60,7 +60,17 @@ was not taken in its last `GPU_PLANNER_COST_PROBE_INTERVAL` (64) choices and is
 priced at most `PROBE_MAX_LOSS` (25%) slower: at most one send in 64 per peer,
 each at most 25% slower by the model, and only near the crossover, where the
 figures matter. Far from it (a 32-descriptor send, 5x cheaper direct) no probe
-happens: the linear model carries what larger sends taught it there.
+happens: the linear model carries what larger sends taught it there. A path
+that is still **young** at a peer (fewer than `YOUNG_SENDS` of its sends
+learned) is priced from seeds measured on another machine or day, which can be
+several times off: the same loopback link moved a 32-descriptor send in 2.6 ms
+one day and in 0.6 ms two days later, and seeds that price its requests at 40 us
+kept sends of 128 x 16 KiB staged at 3.3 ms where direct took 2.8, never probed
+(1.8x apart by the seeds). So a young path is also probed when priced at most
+`YOUNG_MAX_LOSS` (2x) slower and not taken in the last `YOUNG_PROBE_EVERY` (4)
+choices, at most `YOUNG_PROBES` (4) times per path and peer: a bounded cost,
+paid once per peer, after which its own sends price it (two learned ones
+corrected the example above).
 
 **Overrides.** When `GPU_PLANNER_STAGING_MIN_DESCRIPTORS` or
 `GPU_PLANNER_STAGING_MAX_MEAN_BYTES` is set in the environment (`settings.explicit`),
@@ -111,6 +121,12 @@ HALF_LIFE = 32  # observations of one path to one peer after which a send weighs
 SOLVE_EVERY = 8  # past a peer's first HALF_LIFE sends, its choices solve once per 8 observations
 # (and its observations are folded into the sums 8 at a time, or at a solve)
 PROBE_MAX_LOSS = 0.25  # a probe's path is priced at most this much slower than the other
+# While a path has few of its own sends learned at a peer (seeds measured elsewhere can be
+# several times off), a probe may take it sooner and further from the crossover, a few times:
+YOUNG_SENDS = 3  # learned sends of a path after which it is no longer young
+YOUNG_PROBES = 4  # young probes of a path per peer, at most
+YOUNG_PROBE_EVERY = 4  # choices since the path was last taken before a young probe
+YOUNG_MAX_LOSS = 1.0  # a young probe's path is priced at most this much slower
 NOISE = 0.3  # relative spread of one send's time around its price (weighs data against seeds)
 SEED_SPREAD = 1.0  # a seed's relative uncertainty (the prior's width)
 
@@ -289,7 +305,10 @@ _BLOCK = len(PATH_FIGURES[0])
 class _Peer:
     """One peer's learning state: fixed size, whatever the number of its sends."""
 
-    __slots__ = ("moments", "targets", "sends", "warm", "since", "figures", "unsolved", "pending")
+    __slots__ = (
+        "moments", "targets", "sends", "warm", "since", "young_probes", "figures", "unsolved",
+        "pending",
+    )  # fmt: skip
 
     def __init__(self, seeds: Figures) -> None:
         # Per path, Python floats (an observation adds to them without a NumPy call): the sum
@@ -299,11 +318,17 @@ class _Peer:
         self.sends = [0, 0]  # successful sends observed, by path
         self.warm = [False, False]  # a first send of the path came (and was not learned from)
         self.since = [0, 0]  # choices since each path was last chosen (capped at the interval)
+        self.young_probes = [0, 0]  # probes of each path while young
         self.figures = seeds  # the last solved figures
         self.unsolved = 0  # observations since they were solved
         # Observations not yet in the sums: (path index, requests, bytes, seconds, predicted),
         # at most SOLVE_EVERY (folded in at once).
         self.pending: list[tuple[int, int, int, float, float]] = []
+
+
+def _young(state: _Peer, index: int) -> bool:
+    """Whether path `index` is still priced mostly by its seeds at this peer (probes left)."""
+    return state.sends[index] < YOUNG_SENDS and state.young_probes[index] < YOUNG_PROBES
 
 
 def _solve_every(state: _Peer) -> int:
@@ -388,7 +413,7 @@ class PathCosts:
         figures = state.figures
         direct_s = figures.direct_s(descriptors, nbytes)
         staged_s = figures.staged_s(staged_pieces, nbytes)
-        if staged_s <= direct_s * (1 + PROBE_MAX_LOSS):
+        if staged_s <= direct_s * (1 + (YOUNG_MAX_LOSS if _young(state, 1) else PROBE_MAX_LOSS)):
             return None
         state.since[0] = 0  # PATHS: direct chosen, staged one choice further from its last
         state.since[1] = min(state.since[1] + 1, self.probe_interval)
@@ -399,10 +424,20 @@ class PathCosts:
         path, reason = cheaper, (PRICED_FASTER if cheaper == STAGED else PRICED_SLOWER)
         interval = self.probe_interval
         low, high = sorted((direct_s, staged_s))
-        stale = interval and state.since[PATHS.index(dearer)] >= interval
-        if stale and high <= low * (1 + PROBE_MAX_LOSS):
+        dearer_index = PATHS.index(dearer)
+        since = state.since[dearer_index]
+        if interval and since >= interval and high <= low * (1 + PROBE_MAX_LOSS):
             path = dearer
             reason = f"probe: {dearer} priced slower by at most {PROBE_MAX_LOSS:.0%}"
+        elif (
+            interval
+            and _young(state, dearer_index)
+            and since >= min(interval, YOUNG_PROBE_EVERY)
+            and high <= low * (1 + YOUNG_MAX_LOSS)
+        ):
+            path = dearer
+            reason = f"probe: {dearer}, young, priced slower by at most {YOUNG_MAX_LOSS:.0%}"
+            state.young_probes[dearer_index] += 1
         for index, name in enumerate(PATHS):
             state.since[index] = 0 if name == path else min(state.since[index] + 1, interval)
         return path, reason
