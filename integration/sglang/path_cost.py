@@ -44,12 +44,12 @@ The solved figures are clamped to physical ranges. A choice solves the fit
 again after every observation for a peer's first `HALF_LIFE` sends, then once
 per `SOLVE_EVERY` observations (a solve costs about 50 us on the 2-core CPU,
 a 32-descriptor send about 0.6 ms; the figures move by a few percent per 8
-sends). A peer's first send of
-each path is not learned from (it pays Mooncake's connection to the peer and
-first-use costs: one such send once moved the staged price of a test's peer
-from 4.9 to 15.6 ms). Only successful sends update (`observe(..., ok=False)`
-changes nothing), one peer's sends touch only
-that peer's figures, and at most `MAX_PEERS` peers are kept (least recently
+sends). A peer's first send is not learned from (it pays Mooncake's
+connection to the peer), nor the first staged one (the staging's own first-use
+costs: one such send once moved the staged price of a test's peer from 4.9 to
+15.6 ms); a first direct send after a staged one is (the connection was paid).
+Only successful sends update (`observe(..., ok=False)` changes nothing), one
+peer's sends touch only that peer's figures, and at most `MAX_PEERS` peers are kept (least recently
 used dropped; a peer seen again starts from the seeds). Memory: a few hundred
 floats per peer, whatever the number of sends.
 
@@ -67,7 +67,7 @@ several times off: the same loopback link moved a 32-descriptor send in 2.6 ms
 one day and in 0.6 ms two days later, and seeds that price its requests at 40 us
 kept sends of 128 x 16 KiB staged at 3.3 ms where direct took 2.8, never probed
 (1.8x apart by the seeds). So a young path is also probed when priced at most
-`YOUNG_MAX_LOSS` (2x) slower and not taken in the last `YOUNG_PROBE_EVERY` (4)
+`YOUNG_MAX_LOSS` (2x) slower and not taken in the last `YOUNG_PROBE_EVERY` (2)
 choices, at most `YOUNG_PROBES` (4) times per path and peer: a bounded cost,
 paid once per peer, after which its own sends price it (two learned ones
 corrected the example above).
@@ -125,7 +125,7 @@ PROBE_MAX_LOSS = 0.25  # a probe's path is priced at most this much slower than 
 # several times off), a probe may take it sooner and further from the crossover, a few times:
 YOUNG_SENDS = 3  # learned sends of a path after which it is no longer young
 YOUNG_PROBES = 4  # young probes of a path per peer, at most
-YOUNG_PROBE_EVERY = 4  # choices since the path was last taken before a young probe
+YOUNG_PROBE_EVERY = 2  # choices since the path was last taken before a young probe
 YOUNG_MAX_LOSS = 1.0  # a young probe's path is priced at most this much slower
 NOISE = 0.3  # relative spread of one send's time around its price (weighs data against seeds)
 SEED_SPREAD = 1.0  # a seed's relative uncertainty (the prior's width)
@@ -316,7 +316,7 @@ class _Peer:
         self.moments = [[0.0] * (_BLOCK * _BLOCK) for _ in PATHS]
         self.targets = [[0.0] * _BLOCK for _ in PATHS]
         self.sends = [0, 0]  # successful sends observed, by path
-        self.warm = [False, False]  # a first send of the path came (and was not learned from)
+        self.warm = [False, False]  # a first send of the path came
         self.since = [0, 0]  # choices since each path was last chosen (capped at the interval)
         self.young_probes = [0, 0]  # probes of each path while young
         self.figures = seeds  # the last solved figures
@@ -459,9 +459,11 @@ class PathCosts:
         index = PATHS.index(path)
         with self._lock:
             state = self._peer(peer)
-            if not state.warm[index]:  # it paid the peer's connection and first-use costs
-                state.warm[index] = True
-                return False
+            if not state.warm[index]:
+                connected = any(state.warm)  # an earlier send of the other path paid Mooncake's
+                state.warm[index] = True  # connection; staging has first-use costs of its own
+                if path == STAGED or not connected:
+                    return False
             predicted = state.figures.send_s(path, requests, nbytes)  # solved at the last choice
             predicted = max(predicted, 1e-12)
             state.pending.append((index, requests, nbytes, seconds, predicted))

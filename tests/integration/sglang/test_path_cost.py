@@ -197,12 +197,14 @@ def test_the_gate_decides_at_its_boundaries_whatever_the_model_prices():
 
 
 def test_a_probe_takes_the_dearer_path_once_per_interval_within_the_loss_bound():
-    """Staged priced 10% over direct: every fifth choice of an interval of 4 probes it."""
+    """Staged priced 10% over direct: past its young probes, every fifth choice of an interval
+    of 4 probes it."""
     figures = dataclasses.replace(EXACT, staged_fixed_s=0.0, request_s=REQUEST)
     costs = PathCosts(figures, probe_interval=4)
     # 10 descriptors direct: 10 requests; staged: 11 pieces: 10% dearer.
-    paths = [costs.choose("peer", 10, 0, 11).path for _ in range(15)]
-    assert paths == ([DIRECT] * 4 + [STAGED]) * 3
+    young = ([DIRECT] * YOUNG_PROBE_EVERY + [STAGED]) * YOUNG_PROBES
+    paths = [costs.choose("peer", 10, 0, 11).path for _ in range(len(young) + 15)]
+    assert paths == young + ([DIRECT] * 4 + [STAGED]) * 3
     probe = costs.choose("other", 10, 0, 11)
     assert probe.path == DIRECT  # each peer counts its own choices
     far = PathCosts(figures, probe_interval=4)  # 30% dearer: past the bound, probed only young
@@ -370,7 +372,8 @@ def test_a_clearly_direct_send_skips_the_lock_once_its_peer_is_kept():
     assert costs._clearly_direct("peer", 8192, 8192 * 1024, 1) is None  # staged, or near it
     assert PathCosts(TCP, gate=Gate(64, 1 << 16))._clearly_direct("peer", 32, 4096, 1) is None
     near = (488, 488 * 16384, 1)  # staging priced 11% slower: within a probe's loss
-    assert [costs.choose("near", *near).path for _ in range(5)] == [DIRECT] * 4 + [STAGED]
+    paths = [costs.choose("near", *near).path for _ in range(YOUNG_PROBE_EVERY + 1)]
+    assert paths == [DIRECT] * YOUNG_PROBE_EVERY + [STAGED]
 
 
 # --- learning -------------------------------------------------------------------------------
@@ -488,10 +491,11 @@ def test_the_sums_are_the_decayed_weighted_normal_equations_of_the_observations(
     state = costs._peers["peer"]
     costs._fold(state)
     scale = np.maximum(TCP._learned(), path_cost._SCALE_FLOOR)
+    # the peer's first observation and its first staged one warm it and are not learned from
+    first_staged = next(number for number, row in enumerate(observed) if row[0] == STAGED)
+    learned = [row for number, row in enumerate(observed) if number not in (0, first_staged)]
     for index, path in enumerate(PATHS):
-        # the first observation of each path warms it and is not learned from
-        first = next(number for number, row in enumerate(observed) if row[0] == path)
-        mine = [row for number, row in enumerate(observed) if row[0] == path and number > first]
+        mine = [row for row in learned if row[0] == path]
         matrix, target = np.zeros((5, 5)), np.zeros(5)
         for _, requests, nbytes, seconds in mine:
             staged = float(path == STAGED)
@@ -580,14 +584,19 @@ def warmed(costs: PathCosts, *peers: str) -> PathCosts:
     return costs
 
 
-def test_a_peers_first_send_of_a_path_is_not_learned_from():
-    """It pays Mooncake's connection to the peer and first-use costs, not the path's."""
+def test_a_peers_first_send_and_its_first_staged_one_are_not_learned_from():
+    """The first pays Mooncake's connection to the peer; staging has first-use costs of its
+    own; a first direct send after a staged one pays neither."""
     costs = model(TCP)
     assert not costs.observe("peer", STAGED, 1, 4096, 0.5)  # 100x its price: a cold start
     assert costs.figures("peer") == dataclasses.replace(TCP, sends=(0, 0))
     assert costs.observe("peer", STAGED, 1, 4096, TCP.staged_send_s(1, 4096))
-    assert not costs.observe("peer", DIRECT, 1, 4096, 0.5)  # each path's first
-    assert costs.figures("peer").sends == (0, 1)
+    assert costs.observe("peer", DIRECT, 1, 4096, TCP.direct_s(1, 4096))
+    assert costs.figures("peer").sends == (1, 1)
+    direct_first = model(TCP)
+    assert not direct_first.observe("peer", DIRECT, 1, 4096, 0.5)  # the connection
+    assert not direct_first.observe("peer", STAGED, 1, 4096, 0.5)  # the staging's first use
+    assert direct_first.figures("peer") == dataclasses.replace(TCP, sends=(0, 0))
 
 
 def test_threads_share_one_model():
