@@ -39,7 +39,6 @@ class Block:
 
     array: np.ndarray  # uint8 [nbytes]
     tensor: torch.Tensor  # uint8 [nbytes], same memory
-    cuda_device: int | None = None  # the device it was pinned under (None: not pinned)
 
     @property
     def nbytes(self) -> int:

@@ -44,14 +44,14 @@ class _PinnedMemory:
         error = runtime.host_register(address, nbytes)
         if error != 0:
             raise RuntimeError(f"cudaHostRegister of {nbytes} bytes failed (error {error})")
-        self.cuda_device = runtime.current_device()
         self.__array_interface__ = {
             "data": (address, False),
             "shape": (nbytes,),
             "typestr": "|u1",
             "version": 3,
         }
-        self.unpin = weakref.finalize(self, _unpin, runtime, memory, address, self.cuda_device)
+        cuda_device = runtime.current_device()
+        self.unpin = weakref.finalize(self, _unpin, runtime, memory, address, cuda_device)
         self.unpin.atexit = False  # the process's exit frees it: no CUDA call then
 
 
@@ -68,9 +68,8 @@ def allocate_pinned_block(nbytes: int) -> Block:
     unpinned, instead of staying pinned in torch's cache. Call it with the
     copy's device current, so no other device gets a CUDA context.
     """
-    memory = _PinnedMemory(nbytes)
-    array = np.asarray(memory)
-    return Block(array, torch.from_numpy(array), memory.cuda_device)
+    array = np.asarray(_PinnedMemory(nbytes))
+    return Block(array, torch.from_numpy(array))
 
 
 def release_pinned_block(block: Block) -> None:
