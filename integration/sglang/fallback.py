@@ -96,7 +96,8 @@ def current_send() -> SendProgress:
     return SendProgress() if progress is None else progress
 
 
-def _log_once(level: int, message: str, key: str, error: Exception | None = None) -> None:
+def log_once(level: int, message: str, key: str, error: Exception | None = None) -> None:
+    """Log `message` the first time `key` comes, in this process."""
     with _logged_lock:
         if key in _logged_keys:
             return
@@ -108,7 +109,7 @@ def log_fallback_once(reason: str, key: str | None = None) -> None:
     """Count every fallback by `key` (default: the reason); log `reason` at INFO the first time."""
     key = reason if key is None else key
     record_fallback(key)
-    _log_once(logging.INFO, f"gpu_planner: falling back to sglang's original code: {reason}", key)
+    log_once(logging.INFO, f"gpu_planner: falling back to sglang's original code: {reason}", key)
 
 
 def around(hook: Callable) -> Callable:
@@ -137,7 +138,7 @@ def around(hook: Callable) -> Callable:
         if progress.engine_called:
             with contextlib.suppress(Exception):  # a broken metrics folder must not escape
                 record_failure(key)
-                _log_once(
+                log_once(
                     logging.ERROR,
                     f"gpu_planner: a send failed after its first engine call ({reason}); "
                     "sglang gets -1, as for any failed transfer",
@@ -147,7 +148,7 @@ def around(hook: Callable) -> Callable:
             return FAILED_SEND
         with contextlib.suppress(Exception):  # nor stop sglang's own code from running
             if unexpected:
-                _log_once(
+                log_once(
                     logging.WARNING, f"gpu_planner: {reason}", f"unexpected: {key}", unexpected
                 )
             log_fallback_once(reason, key)

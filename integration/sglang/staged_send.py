@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import functools
+import logging
 import threading
 import time
 import weakref
@@ -47,8 +48,12 @@ from gpu_planner import settings
 from gpu_planner.head_slices import HeadSliceLayout
 from gpu_planner.integration.sglang import bounds
 from gpu_planner.integration.sglang.adapter import sglang_handoff
-from gpu_planner.integration.sglang.counters import record_path_choice, record_send
-from gpu_planner.integration.sglang.fallback import current_send, log_fallback_once
+from gpu_planner.integration.sglang.counters import (
+    record_fallback,
+    record_path_choice,
+    record_send,
+)
+from gpu_planner.integration.sglang.fallback import current_send, log_fallback_once, log_once
 from gpu_planner.integration.sglang.gathered import (
     Chunk,
     SlotLease,
@@ -580,7 +585,11 @@ def _notify(manager: Any, route: Route, staged: Staged) -> None:
 
 
 def _not_staged(reason: str) -> None:
-    log_fallback_once(f"a send is not staged: {reason}", key=f"not staged: {reason}")
+    """A send toward a staging decode goes direct: counted as `not staged: <reason>` (among
+    the fallbacks, of the staged path), logged the first time; it stays the hook's send."""
+    key = f"not staged: {reason}"
+    record_fallback(key)
+    log_once(logging.INFO, f"gpu_planner: a send goes direct, not staged: {reason}", key)
     return None
 
 

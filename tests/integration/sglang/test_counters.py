@@ -48,6 +48,21 @@ def test_every_fallback_is_counted_but_logged_once(caplog):
     assert caplog.text.count("a reason the counter test gives") == 1
 
 
+def test_a_send_that_is_not_staged_is_counted_and_logged_as_going_direct(caplog):
+    """It stays the hook's send: the log says it goes direct, not back to sglang's code."""
+    from gpu_planner.integration.sglang import staged_send
+
+    key = "not staged: a reason the counter test gives"
+    before = counters.snapshot()["fallbacks"].get(key, 0)
+    with caplog.at_level(logging.INFO, logger="gpu_planner.integration.sglang.plugin"):
+        for _ in range(2):
+            assert staged_send._not_staged("a reason the counter test gives") is None
+    assert counters.snapshot()["fallbacks"][key] == before + 2
+    assert caplog.messages == [
+        "gpu_planner: a send goes direct, not staged: a reason the counter test gives"
+    ]
+
+
 def test_metrics_reach_another_process_through_the_multiprocess_folder(tmp_path):
     sender = (
         "from gpu_planner.integration.sglang import counters\n"
