@@ -51,6 +51,12 @@ def host_block(nbytes: int) -> Block:
     return Block(array, torch.from_numpy(array))
 
 
+def byte_array_interface(address: int, nbytes: int) -> dict:
+    """The `__array_interface__` of `nbytes` writable bytes at `address`: an object carrying it
+    becomes the base of the uint8 arrays `np.asarray` makes of it (it keeps them alive)."""
+    return {"data": (address, False), "shape": (nbytes,), "typestr": "|u1", "version": 3}
+
+
 class _Loan:
     """One loan of a block: NumPy arrays made from it have it as their base.
 
@@ -60,12 +66,7 @@ class _Loan:
 
     def __init__(self, block: Block) -> None:
         self.block = block
-        self.__array_interface__ = {
-            "data": (block.array.ctypes.data, False),
-            "shape": (block.nbytes,),
-            "typestr": "|u1",
-            "version": 3,
-        }
+        self.__array_interface__ = byte_array_interface(block.array.ctypes.data, block.nbytes)
 
 
 def _block_bytes(nbytes: int) -> int:

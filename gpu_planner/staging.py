@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from gpu_planner import settings
-from gpu_planner.block_pool import Block, BlockPool
+from gpu_planner.block_pool import Block, BlockPool, byte_array_interface
 from gpu_planner.cuda_runtime import CudaRuntime, cuda_runtime
 from gpu_planner.cuda_streams import on_torch_device, torch_device_of
 
@@ -44,12 +44,7 @@ class _PinnedMemory:
         error = runtime.host_register(address, nbytes)
         if error != 0:
             raise RuntimeError(f"cudaHostRegister of {nbytes} bytes failed (error {error})")
-        self.__array_interface__ = {
-            "data": (address, False),
-            "shape": (nbytes,),
-            "typestr": "|u1",
-            "version": 3,
-        }
+        self.__array_interface__ = byte_array_interface(address, nbytes)
         cuda_device = runtime.current_device()
         self.unpin = weakref.finalize(self, _unpin, runtime, memory, address, cuda_device)
         self.unpin.atexit = False  # the process's exit frees it: no CUDA call then

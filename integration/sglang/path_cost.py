@@ -415,8 +415,7 @@ class PathCosts:
         staged_s = figures.staged_s(staged_pieces, nbytes)
         if staged_s <= direct_s * (1 + (YOUNG_MAX_LOSS if _young(state, 1) else PROBE_MAX_LOSS)):
             return None
-        state.since[0] = 0  # PATHS: direct chosen, staged one choice further from its last
-        state.since[1] = min(state.since[1] + 1, self.probe_interval)
+        self._taken(state, DIRECT)
         return Choice(DIRECT, direct_s, staged_s, PRICED_SLOWER)
 
     def _by_price(self, state: _Peer, direct_s: float, staged_s: float) -> tuple[str, str]:
@@ -438,9 +437,15 @@ class PathCosts:
             path = dearer
             reason = f"probe: {dearer}, young, priced slower by at most {YOUNG_MAX_LOSS:.0%}"
             state.young_probes[dearer_index] += 1
-        for index, name in enumerate(PATHS):
-            state.since[index] = 0 if name == path else min(state.since[index] + 1, interval)
+        self._taken(state, path)
         return path, reason
+
+    def _taken(self, state: _Peer, path: str) -> None:
+        """Move the probe clocks: `path` was chosen, the other is one choice further from it."""
+        for index, name in enumerate(PATHS):
+            state.since[index] = (
+                0 if name == path else min(state.since[index] + 1, self.probe_interval)
+            )
 
     def observe(
         self, peer: str, path: str, requests: int, nbytes: int, seconds: float, ok: bool = True
