@@ -42,9 +42,15 @@ while a lasting change of a few times is learned within tens of sends (each
 pulls less at first, more as the figures come near it).
 The solved figures are clamped to physical ranges. A choice solves the fit
 again after every observation for a peer's first `HALF_LIFE` sends, then once
-per `SOLVE_EVERY` observations (a solve costs about 50 us on the 2-core CPU,
-a 32-descriptor send about 0.6 ms; the figures move by a few percent per 8
-sends). A peer's first send is not learned from (it pays Mooncake's
+per `SOLVE_EVERY` observations (the figures move by a few percent per 8
+sends). What learning costs is kept to about 1% of the sends it learns from:
+past a path's first `HALF_LIFE` learned sends at a peer, its sends are learned
+from once per `LEARN_EVERY_S` (2 ms) of their time, a longer send each time, a
+0.6 ms one (32 descriptors) every fourth, and a probe's send always (learning
+one, with its share of the sums and the solve, costs about 25 us on the 2-core
+CPU after a transfer left the caches cold; the half-life counts learned sends).
+The fit is plain Python float arithmetic: NumPy's calls on arrays this small
+cost about 200 us there. A peer's first send is not learned from (it pays Mooncake's
 connection to the peer), nor the first staged one (the staging's own first-use
 costs: one such send once moved the staged price of a test's peer from 4.9 to
 15.6 ms); a first direct send after a staged one is (the connection was paid).
@@ -107,8 +113,6 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import NamedTuple
 
-import numpy as np
-
 from gpu_planner import settings
 from gpu_planner.integration.sglang import counters
 
@@ -127,6 +131,10 @@ YOUNG_SENDS = 3  # learned sends of a path after which it is no longer young
 YOUNG_PROBES = 4  # young probes of a path per peer, at most
 YOUNG_PROBE_EVERY = 2  # choices since the path was last taken before a young probe
 YOUNG_MAX_LOSS = 1.0  # a young probe's path is priced at most this much slower
+# Past a path's first HALF_LIFE learned sends at a peer, its sends are learned from once per
+# this much of their time (a probe's always): learning one costs about 25 us after a transfer
+# left the caches cold, so the model takes at most about 1% of the time of the sends it prices.
+LEARN_EVERY_S = 2e-3
 NOISE = 0.3  # relative spread of one send's time around its price (weighs data against seeds)
 SEED_SPREAD = 1.0  # a seed's relative uncertainty (the prior's width)
 
@@ -137,9 +145,9 @@ _DECAY = 0.5 ** (1 / HALF_LIFE)
 # The learned figures, as a vector: seconds per send (direct, staged), per request, per byte
 # direct, per byte staged. Clamped to these ranges (1 MB/s-10 TB/s, 10 ns-10 ms requests,
 # fixed costs up to 1 s) unless a seed lies outside them.
-_LOWER = np.array([0.0, 0.0, 1e-8, 1e-13, 1e-13])
-_UPPER = np.array([1.0, 1.0, 1e-2, 1e-6, 1e-6])
-_SCALE_FLOOR = np.array([1e-5, 1e-5, 1e-7, 1e-13, 1e-13])  # a zero seed still learns
+_LOWER = (0.0, 0.0, 1e-8, 1e-13, 1e-13)
+_UPPER = (1.0, 1.0, 1e-2, 1e-6, 1e-6)
+_SCALE_FLOOR = (1e-5, 1e-5, 1e-7, 1e-13, 1e-13)  # a zero seed still learns
 _LEARNED = len(_LOWER)
 
 
@@ -230,16 +238,14 @@ class Figures:
         )
         return direct, staged
 
-    def _learned(self) -> np.ndarray:
-        return np.array(
-            [
-                self.direct_fixed_s,
-                self.staged_fixed_s,
-                self.request_s,
-                1 / self.link_bytes_per_s,
-                1 / self.staged_bytes_per_s,
-            ]
-        )
+    def _learned(self) -> list[float]:
+        return [
+            self.direct_fixed_s,
+            self.staged_fixed_s,
+            self.request_s,
+            1 / self.link_bytes_per_s,
+            1 / self.staged_bytes_per_s,
+        ]
 
 
 def staged_pieces(nbytes: int, slot_bytes: int) -> int:
@@ -306,8 +312,8 @@ class _Peer:
     """One peer's learning state: fixed size, whatever the number of its sends."""
 
     __slots__ = (
-        "moments", "targets", "sends", "warm", "since", "young_probes", "figures", "unsolved",
-        "pending",
+        "moments", "targets", "sends", "warm", "since", "young_probes", "probed", "unlearned_s",
+        "figures", "unsolved", "pending",
     )  # fmt: skip
 
     def __init__(self, seeds: Figures) -> None:
@@ -315,10 +321,12 @@ class _Peer:
         # of w z z^T over its figures (`PATH_FIGURES`), row-major, and of w z y.
         self.moments = [[0.0] * (_BLOCK * _BLOCK) for _ in PATHS]
         self.targets = [[0.0] * _BLOCK for _ in PATHS]
-        self.sends = [0, 0]  # successful sends observed, by path
+        self.sends = [0, 0]  # successful sends learned from, by path
         self.warm = [False, False]  # a first send of the path came
         self.since = [0, 0]  # choices since each path was last chosen (capped at the interval)
         self.young_probes = [0, 0]  # probes of each path while young
+        self.probed = [False, False]  # a probe took the path: its next send is learned from
+        self.unlearned_s = [0.0, 0.0]  # time of each path's sends since its last learned one
         self.figures = seeds  # the last solved figures
         self.unsolved = 0  # observations since they were solved
         # Observations not yet in the sums: (path index, requests, bytes, seconds, predicted),
@@ -353,13 +361,16 @@ class PathCosts:
         self.gate = gate
         self.probe_interval = probe_interval
         self.max_peers = max_peers
+        # Python floats, not arrays: a solve is a few hundred float operations.
         seed = seeds._learned()
-        self._scale = np.maximum(seed, _SCALE_FLOOR)  # the fit solves for figure / scale
-        self._path_scales = [self._scale[list(figures)].tolist() for figures in PATH_FIGURES]
-        self._lower = np.minimum(_LOWER, seed)
-        self._upper = np.maximum(_UPPER, seed)
-        self._prior = np.eye(_LEARNED) / SEED_SPREAD**2
-        self._prior_target = self._prior @ (seed / self._scale)
+        self._scale = list(map(max, seed, _SCALE_FLOOR))  # the fit solves for figure / scale
+        self._path_scales = [[self._scale[i] for i in figures] for figures in PATH_FIGURES]
+        self._lower = list(map(min, _LOWER, seed))
+        self._upper = list(map(max, _UPPER, seed))
+        self._prior = 1 / SEED_SPREAD**2  # the prior's precision on each scaled figure
+        self._prior_target = [
+            self._prior * x / scale for x, scale in zip(seed, self._scale, strict=True)
+        ]
         self._peers: collections.OrderedDict[str, _Peer] = collections.OrderedDict()
         self._lock = threading.Lock()
 
@@ -437,6 +448,8 @@ class PathCosts:
             path = dearer
             reason = f"probe: {dearer}, young, priced slower by at most {YOUNG_MAX_LOSS:.0%}"
             state.young_probes[dearer_index] += 1
+        if path == dearer:
+            state.probed[dearer_index] = True
         self._taken(state, path)
         return path, reason
 
@@ -455,7 +468,9 @@ class PathCosts:
         `requests` is what the send handed Mooncake (descriptors direct, pieces
         staged), `seconds` its wall time on the prefill. A failed send
         (`ok=False`), or one whose figures are not a time (not finite, not
-        positive), changes nothing.
+        positive), changes nothing. Past the path's first `HALF_LIFE` learned
+        sends, a send is learned from once its path's sends since the last
+        learned one took `LEARN_EVERY_S` (a probe's send always).
         """
         if path not in PATHS:
             raise ValueError(f"unknown path {path!r}")
@@ -469,6 +484,12 @@ class PathCosts:
                 state.warm[index] = True  # connection; staging has first-use costs of its own
                 if path == STAGED or not connected:
                     return False
+            if state.sends[index] >= HALF_LIFE and not state.probed[index]:
+                state.unlearned_s[index] += seconds
+                if state.unlearned_s[index] < LEARN_EVERY_S:
+                    return False
+            state.unlearned_s[index] = 0.0
+            state.probed[index] = False
             predicted = state.figures.send_s(path, requests, nbytes)  # solved at the last choice
             predicted = max(predicted, 1e-12)
             state.pending.append((index, requests, nbytes, seconds, predicted))
@@ -485,9 +506,7 @@ class PathCosts:
         Each observation's features are its terms' prices at the seeds' scale
         (the fit solves for figure / scale); it weighs 1 / (price^2 q^2 NOISE^2)
         for a time off its price by a factor q, and every later observation of
-        its path decays it by `_DECAY`. Plain float arithmetic on the 3 x 3
-        block of its path: a few microseconds, where NumPy's calls on arrays
-        this small cost about 150 us after a transfer left the caches cold.
+        its path decays it by `_DECAY`, on the 3 x 3 block of its path.
         """
         for index, requests, nbytes, seconds, predicted in state.pending:
             fixed, per_request, per_byte = self._path_scales[index]
@@ -540,26 +559,63 @@ class PathCosts:
         if state.unsolved >= every:
             state.unsolved = 0
             self._fold(state)
-            matrix, target = self._prior.copy(), self._prior_target.copy()
+            matrix = [[0.0] * _LEARNED for _ in range(_LEARNED)]
+            for index in range(_LEARNED):
+                matrix[index][index] = self._prior
+            target = list(self._prior_target)
             for figures, moments, targets in zip(
                 PATH_FIGURES, state.moments, state.targets, strict=True
             ):
-                matrix[np.ix_(figures, figures)] += np.reshape(moments, (_BLOCK, _BLOCK))
-                target[list(figures)] += targets
-            solved = np.linalg.solve(matrix, target) * self._scale
-            learned = np.clip(solved, self._lower, self._upper)
+                for row, figure in enumerate(figures):
+                    target[figure] += targets[row]
+                    for column, other in enumerate(figures):
+                        matrix[figure][other] += moments[row * _BLOCK + column]
+            learned = [
+                min(max(scaled * scale, lower), upper)
+                for scaled, scale, lower, upper in zip(
+                    solve_positive_definite(matrix, target),
+                    self._scale,
+                    self._lower,
+                    self._upper,
+                    strict=True,
+                )
+            ]
             seeds = self.seeds
             state.figures = Figures(
-                direct_fixed_s=float(learned[0]),
-                staged_fixed_s=float(learned[1]),
-                request_s=float(learned[2]),
-                link_bytes_per_s=float(1 / learned[3]),
-                staged_bytes_per_s=float(1 / learned[4]),
+                direct_fixed_s=learned[0],
+                staged_fixed_s=learned[1],
+                request_s=learned[2],
+                link_bytes_per_s=1 / learned[3],
+                staged_bytes_per_s=1 / learned[4],
                 scatter_fixed_s=seeds.scatter_fixed_s,
                 scatter_bytes_per_s=seeds.scatter_bytes_per_s,
                 sends=(state.sends[0], state.sends[1]),
             )
         return state.figures
+
+
+def solve_positive_definite(matrix: list[list[float]], target: list[float]) -> list[float]:
+    """x with `matrix` x = `target`, for a small symmetric positive definite `matrix` (the fit's
+    normal equations: the prior keeps it so), by Gaussian elimination without pivoting (stable
+    for such a matrix); neither argument is changed."""
+    size = len(target)
+    rows = [list(row) for row in matrix]
+    rhs = list(target)
+    for pivot in range(size):
+        pivot_row = rows[pivot]
+        for below in range(pivot + 1, size):
+            row = rows[below]
+            factor = row[pivot] / pivot_row[pivot]
+            if factor:  # the two paths' blocks share only the request figure: mostly zeros
+                for column in range(pivot + 1, size):
+                    row[column] -= factor * pivot_row[column]
+                rhs[below] -= factor * rhs[pivot]
+    solution = [0.0] * size
+    for index in range(size - 1, -1, -1):
+        row = rows[index]
+        known = sum(row[column] * solution[column] for column in range(index + 1, size))
+        solution[index] = (rhs[index] - known) / row[index]
+    return solution
 
 
 _shared: tuple[int, PathCosts] | None = None  # (settings generation, the instance)

@@ -513,6 +513,52 @@ def test_the_sums_are_the_decayed_weighted_normal_equations_of_the_observations(
         assert not matrix[others].any()  # nothing outside the block the model keeps
 
 
+@given(
+    st.integers(1, 8),
+    st.integers(0, 2**32 - 1),
+    st.floats(1e-3, 1e3),
+)
+def test_the_solve_is_numpys_on_symmetric_positive_definite_systems(size, seed, spread):
+    """`solve_positive_definite` against `numpy.linalg.solve`, on random SPD matrices whose
+    entries span `spread` (the fit's, with its prior, are such), zero blocks included."""
+    rng = np.random.default_rng(seed)
+    factor = rng.normal(size=(size, size)) * (rng.random((size, size)) < 0.6)
+    matrix = factor @ factor.T * spread + np.eye(size)
+    target = rng.normal(size=size) * spread
+    solved = path_cost.solve_positive_definite(matrix.tolist(), target.tolist())
+    assert np.allclose(solved, np.linalg.solve(matrix, target), rtol=1e-9, atol=1e-12 * spread)
+
+
+def test_the_solved_figures_are_the_ridge_fit_numpy_solves():
+    """The figures a peer's choice solves: NumPy's solve of the sums the model kept, with the
+    seeds as the prior (identity precision on the scaled figures), clamped."""
+    costs = model(TCP)
+    rng = np.random.default_rng(5)
+    for _ in range(3 * path_cost.SOLVE_EVERY):
+        path = PATHS[int(rng.integers(2))]
+        requests, nbytes = int(rng.integers(1, 5000)), int(rng.integers(0, 1 << 30))
+        seconds = TCP.send_s(path, requests, nbytes) * float(rng.uniform(0.5, 2.0))
+        costs.observe("peer", path, requests, nbytes, seconds)
+    state = costs._peers["peer"]
+    costs._fold(state)
+    scale = np.maximum(TCP._learned(), path_cost._SCALE_FLOOR)
+    matrix = np.eye(5) / path_cost.SEED_SPREAD**2
+    target = matrix @ (np.array(TCP._learned()) / scale)
+    for figures, moments, targets in zip(
+        path_cost.PATH_FIGURES, state.moments, state.targets, strict=True
+    ):
+        matrix[np.ix_(figures, figures)] += np.reshape(moments, (3, 3))
+        target[list(figures)] += targets
+    expected = np.clip(
+        np.linalg.solve(matrix, target) * scale,
+        np.minimum(path_cost._LOWER, TCP._learned()),
+        np.maximum(path_cost._UPPER, TCP._learned()),
+    )
+    solved = costs.figures("peer")
+    assert np.allclose(solved._learned(), expected, rtol=1e-9, atol=0)
+    assert solved != TCP  # the observations moved it
+
+
 def test_its_state_is_bounded_under_10000_sends_to_100_peers():
     costs = PathCosts(TCP, probe_interval=16)
     rounds, reasons = [], set()
@@ -599,6 +645,44 @@ def test_a_peers_first_send_and_its_first_staged_one_are_not_learned_from():
     assert direct_first.figures("peer") == dataclasses.replace(TCP, sends=(0, 0))
 
 
+def test_past_its_first_sends_a_path_is_learned_from_once_per_learn_every_s():
+    """A path's first HALF_LIFE learned sends are all learned from; then its sends once per
+    LEARN_EVERY_S of their time (a quarter of it: every fourth; longer: each), paths apart."""
+    costs = model(TCP)
+    quarter = path_cost.LEARN_EVERY_S / 4
+    costs.observe("peer", DIRECT, 32, 0, quarter)  # the connection: not learned from
+    learned = [costs.observe("peer", DIRECT, 32, 0, quarter) for _ in range(path_cost.HALF_LIFE)]
+    assert all(learned)
+    learned = [costs.observe("peer", DIRECT, 32, 0, quarter) for _ in range(12)]
+    assert learned == [False, False, False, True] * 3
+    assert all(costs.observe("peer", DIRECT, 32, 0, path_cost.LEARN_EVERY_S) for _ in range(4))
+    assert costs.observe("peer", STAGED, 1, 0, quarter) is False  # the staging's first use
+    assert all(costs.observe("peer", STAGED, 1, 0, quarter) for _ in range(8))  # young: each
+    assert costs.figures("peer").sends == (path_cost.HALF_LIFE + 3 + 4, 8)
+
+
+def test_a_probes_send_is_learned_from_whatever_its_time():
+    """Past the first sends, a probe's send is still learned from (what it is for), and only
+    the probe's: the sends after it are learned once per LEARN_EVERY_S again."""
+    figures = dataclasses.replace(EXACT, staged_fixed_s=0.0, request_s=REQUEST)
+    costs = PathCosts(figures, probe_interval=4)
+    short = path_cost.LEARN_EVERY_S / 8
+    costs.observe("peer", DIRECT, 10, 0, short)
+    costs.observe("peer", STAGED, 11, 0, short)  # both warm: their first sends
+    for _ in range(path_cost.HALF_LIFE):
+        for path, requests in ((DIRECT, 10), (STAGED, 11)):
+            assert costs.observe("peer", path, requests, 0, short)
+    learned = []
+    for _ in range(40):  # staged 10% dearer: probed once per interval
+        choice = costs.choose("peer", 10, 0, 11)
+        requests = 10 if choice.path == DIRECT else 11
+        learned.append((choice.path, costs.observe("peer", choice.path, requests, 0, short)))
+    staged = [ok for path, ok in learned if path == STAGED]
+    assert len(staged) == 8 and all(staged)
+    direct = [ok for path, ok in learned if path == DIRECT]
+    assert sum(direct) == len(direct) // 8  # one in eight
+
+
 def test_threads_share_one_model():
     costs = warmed(PathCosts(TCP, probe_interval=8), "decode-0", "decode-1", "decode-2")
 
@@ -607,7 +691,8 @@ def test_threads_share_one_model():
             peer = f"decode-{(number + send) % 3}"
             choice = costs.choose(peer, 488, 488 * 4096, 1)
             requests = 488 if choice.path == DIRECT else 1
-            costs.observe(peer, choice.path, requests, 488 * 4096, 1e-3 * (1 + send % 5))
+            seconds = path_cost.LEARN_EVERY_S * (1 + send % 5)  # each learned from
+            costs.observe(peer, choice.path, requests, 488 * 4096, seconds)
 
     threads = [threading.Thread(target=sender, args=(number,)) for number in range(6)]
     for thread in threads:
