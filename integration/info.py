@@ -182,7 +182,7 @@ def send_path() -> Section:
         figures = costs.figures(peer)
         direct, staged = figures.describe()
         sends = f"{figures.sends[0]} direct and {figures.sends[1]} staged sends"
-        rows.append((f"peer {peer}", f"direct {direct}; staged {staged} (from {sends})"))
+        rows.append((f"peer {peer}", f"direct {direct}; staged {staged} (learned from {sends})"))
     return rows
 
 

@@ -163,7 +163,7 @@ class Figures:
     staged_bytes_per_s: float  # the staged path's bytes: gathered and written in pieces
     scatter_fixed_s: float
     scatter_bytes_per_s: float
-    sends: tuple[int, int] = (0, 0)  # successful sends observed: direct, staged
+    sends: tuple[int, int] = (0, 0)  # successful sends learned from: direct, staged
 
     @classmethod
     def seeded(cls) -> Figures:

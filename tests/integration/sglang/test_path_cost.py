@@ -783,7 +783,7 @@ def test_info_prints_the_models_figures(monkeypatch):
     costs.choose("decode-7", 64, 64 * 4096, 1)
     warmed(costs, "decode-7").observe("decode-7", DIRECT, 64, 64 * 4096, 2e-3)
     rows = dict(info.send_path())
-    assert "(from 1 direct and 0 staged sends)" in rows["peer decode-7"]
+    assert "(learned from 1 direct and 0 staged sends)" in rows["peer decode-7"]
     set_knob(monkeypatch, settings.STAGING_MIN_DESCRIPTORS.name, "100")
     set_knob(monkeypatch, settings.GATHER_STAGING_BYTES.name, str(128 << 20))
     rows = dict(info.send_path())
