@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -36,14 +36,40 @@ class Timing:
     p10: float
     p90: float
     repeats: int
+    # (round, seconds) of each sample where they were interleaved (`measure_interleaved`;
+    # a warm-up taken as a sample is round -1): what `paired_ratio` pairs. Not in `as_dict`.
+    rounds: tuple[tuple[int, float], ...] = dataclasses.field(default=(), repr=False)
 
     @classmethod
-    def from_samples(cls, samples: list[float]) -> Timing:
+    def from_samples(cls, samples: list[float], rounds: Sequence[int] | None = None) -> Timing:
         p10, median, p90 = np.percentile(samples, [10, 50, 90])
-        return cls(median=float(median), p10=float(p10), p90=float(p90), repeats=len(samples))
+        paired = () if rounds is None else tuple(zip(rounds, samples, strict=True))
+        return cls(float(median), float(p10), float(p90), len(samples), paired)
 
     def as_dict(self) -> dict[str, float | int]:
-        return dataclasses.asdict(self)
+        return {"median": self.median, "p10": self.p10, "p90": self.p90, "repeats": self.repeats}
+
+
+def paired_ratio(
+    numerator: Sequence[tuple[int, float]],
+    denominator: Sequence[tuple[int, float]],
+    denominator_offset: float = 0.0,
+) -> float | None:
+    """The median, over the rounds both were sampled in, of numerator / (denominator + offset).
+
+    Arguments are `Timing.rounds`. Two sends sampled in one round ran one
+    right after the other, so a change of the machine's load or the wire's
+    speed between rounds moves both: their per-round ratio is far steadier
+    than the ratio of their medians when either has few samples. None: no
+    round in common.
+    """
+    by_round = {index: seconds for index, seconds in denominator if index >= 0}
+    ratios = [
+        seconds / (by_round[index] + denominator_offset)
+        for index, seconds in numerator
+        if index in by_round
+    ]
+    return float(np.median(ratios)) if ratios else None
 
 
 Timer = Callable[[Callable[[], Any]], float]
@@ -137,10 +163,12 @@ def measure_interleaved(stages: dict[str, Stage], policy: RepeatPolicy) -> dict[
     gc.disable()
     try:
         samples: dict[str, list[float]] = {}
+        rounds_of: dict[str, list[int]] = {}
         needed: dict[str, int] = {}
         for name, stage in stages.items():
             warmup = stage.timer(stage.call)
             samples[name] = [warmup] if warmup >= SLOW_CALL_S else []
+            rounds_of[name] = [-1] * len(samples[name])
             wanted = int(policy.budget_s / max(warmup, 1e-9))
             repeats = min(max(wanted, policy.min_repeats), policy.max_repeats)
             needed[name] = repeats - len(samples[name])
@@ -152,6 +180,7 @@ def measure_interleaved(stages: dict[str, Stage], policy: RepeatPolicy) -> dict[
             for name in (names[stage] for stage in orders[round_index % len(orders)]):
                 if takes[name][round_index]:
                     samples[name].append(stages[name].timer(stages[name].call))
+                    rounds_of[name].append(round_index)
     finally:
         gc.enable()
-    return {name: Timing.from_samples(values) for name, values in samples.items()}
+    return {name: Timing.from_samples(values, rounds_of[name]) for name, values in samples.items()}

@@ -126,7 +126,9 @@ class SendPathBench:
         return {"handoff": self.handoff, "status": statuses["sglang"], **figures}
 
 
-def measure_sends(sends: dict[str, Callable[[], int]], policy: RepeatPolicy) -> dict[str, Any]:
+def measure_sends(
+    sends: dict[str, Callable[[], int]], policy: RepeatPolicy, keep_rounds: bool = False
+) -> dict[str, Any]:
     """`sends` timed interleaved, then watched by a `GilMonitor` in calls of their own.
 
     The monitor's threads wake about 15,000 times a second, which on a
@@ -135,8 +137,10 @@ def measure_sends(sends: dict[str, Callable[[], int]], policy: RepeatPolicy) -> 
     at most, interleaved, with the garbage collector on as in sglang's process
     (the timed calls have it off, `bench.harness`).
 
-    Per send: its timing figures and `gil_figures`; with both sglang's and the
-    hooked send, also `speedup` (sglang's median over the hooked one's).
+    Per send: its timing figures and `gil_figures`, with `keep_rounds` also
+    `rounds`, its timed samples as (round, seconds) pairs (`harness.paired_ratio`);
+    with both sglang's and the hooked send, also `speedup` (sglang's median over
+    the hooked one's).
     """
     timings = measure_interleaved({name: Stage(send) for name, send in sends.items()}, policy)
     calls = {name: min(timing.repeats, GIL_CALLS) for name, timing in timings.items()}
@@ -150,6 +154,9 @@ def measure_sends(sends: dict[str, Callable[[], int]], policy: RepeatPolicy) -> 
     figures: dict[str, Any] = {
         name: {**timings[name].as_dict(), **gil_figures(windows[name], realtime)} for name in sends
     }
+    if keep_rounds:
+        for name in sends:
+            figures[name]["rounds"] = [list(sample) for sample in timings[name].rounds]
     if set(sends) == set(VARIANTS):
         figures["speedup"] = timings["sglang"].median / timings["hooked"].median
     return figures

@@ -38,7 +38,11 @@ Per variant: wall time (`bench.harness`), GIL holds and waits (`bench.gil`,
 through `bench.send_path.measure_sends`), descriptors and bytes handed to
 Mooncake (the plugin's counters; sglang's: its runs); `staged_with_scatter_s`
 (the staged send's median plus the scatter's), `chosen_with_scatter_s` (the
-chosen send's, plus the scatter's when it stages) and the ratios to them. With
+chosen send's, plus the scatter's when it stages) and the ratios to them; the
+`_paired` ratios are medians of per-round ratios (`harness.paired_ratio`: two
+variants timed in one round ran one right after the other), steadier than the
+ratio of medians where a slow send leaves few samples, and each variant's
+`rounds` holds its (round, seconds) samples. With
 `--verify`, each variant first sends once into cleared peer memory, read back
 (staged: its staging scattered here), which must hold the source pages at the
 destination pages and nothing else (`landed_as_expected`).
@@ -60,7 +64,7 @@ from typing import Any
 
 import numpy as np
 
-from bench.harness import RepeatPolicy
+from bench.harness import RepeatPolicy, paired_ratio
 from bench.live_submit import LOCALHOST, live_peer
 from bench.send_path import measure_sends
 from gpu_planner import settings
@@ -516,7 +520,7 @@ def measure(
                 budget_s=budget_s, min_repeats=MIN_REPEATS, max_repeats=MAX_REPEATS
             )
             before = dict(bench.chosen_costs.paths)
-            figures = measure_sends(stages, policy)
+            figures = measure_sends(stages, policy, keep_rounds=True)
             paths = {path: n - before[path] for path, n in bench.chosen_costs.paths.items()}
             slot_bytes = bench.staging.slot_bytes
             model = bench.chosen_costs.figures(bench.session)
@@ -560,6 +564,14 @@ def measure(
             "sglang/staged_with_scatter": sglang_s / with_scatter,
             "chosen/fastest": chosen_with_scatter / fastest_s,
             "sglang/chosen": sglang_s / chosen_with_scatter,
+            "sglang/chosen_paired": paired_ratio(
+                figures["sglang"]["rounds"],
+                figures["chosen"]["rounds"],
+                scatter_s if chosen_path == STAGED else 0.0,
+            ),
+            "sglang/hook_paired": paired_ratio(
+                figures["sglang"]["rounds"], figures["hook"]["rounds"]
+            ),
             "chosen/wire": chosen_with_scatter / figures["wire"]["median"],
         },
         "target": {

@@ -15,7 +15,13 @@ import numpy as np
 import pytest
 
 from bench.cases import quick_cases
-from bench.harness import RepeatPolicy, Stage, balanced_orders, measure_interleaved
+from bench.harness import (
+    RepeatPolicy,
+    Stage,
+    balanced_orders,
+    measure_interleaved,
+    paired_ratio,
+)
 from bench.inputs import make_input
 from bench.planners import ReferenceLoopPlanner, make_planners
 from bench.progress import ProgressBar
@@ -92,3 +98,25 @@ def test_interleaved_rounds_take_the_balanced_orders():
     rounds = [calls[start : start + 4] for start in range(4, len(calls), 4)]  # after warm-ups
     expected = [["abcd"[stage] for stage in order] for order in balanced_orders(4)] * 2
     assert rounds == expected
+
+
+def test_interleaved_samples_keep_their_rounds_and_pair_by_them():
+    """Each sample's round is kept (not in the JSON's figures); `paired_ratio` is the median
+    of the per-round ratios of two stages' samples, rounds only one of them has left out."""
+    clock = {"slow": 1.0}
+    stages = {
+        "fast": Stage(lambda: None, timer=lambda fn: 1e-3 * clock["slow"]),
+        "slow": Stage(lambda: None, timer=lambda fn: 2e-3 * clock["slow"]),
+        "load": Stage(lambda: None, timer=lambda fn: clock.update(slow=clock["slow"] * 1.5) or 0),
+    }
+    timings = measure_interleaved(stages, RepeatPolicy(budget_s=0, min_repeats=6, max_repeats=6))
+    fast, slow = timings["fast"].rounds, timings["slow"].rounds
+    assert [index for index, _ in fast] == list(range(6)) == [index for index, _ in slow]
+    assert "rounds" not in timings["fast"].as_dict()
+    # The load stage grows the clock between rounds (and, in some orders, within one).
+    paired = [s / f for (_, s), (_, f) in zip(slow, fast, strict=True)]
+    assert paired_ratio(slow, fast) == pytest.approx(float(np.median(paired)))
+    offset = [s / (f + 1.0) for (_, s), (_, f) in zip(slow, fast, strict=True)]
+    assert paired_ratio(slow, fast, denominator_offset=1.0) == pytest.approx(np.median(offset))
+    assert paired_ratio(slow, [(-1, 1.0)]) is None  # a warm-up pairs with nothing
+    assert paired_ratio([(0, 4.0), (2, 9.0)], [(2, 3.0), (5, 1.0)]) == 3.0
