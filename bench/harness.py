@@ -150,9 +150,11 @@ def balanced_orders(count: int) -> list[list[int]]:
 
 
 def measure_interleaved(stages: dict[str, Stage], policy: RepeatPolicy) -> dict[str, Timing]:
-    """Time every stage after one warm-up call each, interleaving their samples.
+    """Time every stage after its warm-up calls, interleaving their samples.
 
-    Each stage gets as many samples as `policy` allows for its own speed; the
+    Each stage gets as many samples as `policy` allows for its own speed (the
+    faster of two warm-up calls, or one slower than `SLOW_CALL_S`, which counts
+    as a sample); the
     samples of all stages are spread over the same rounds, so a load change on
     the machine hits every planner alike and their ratios stay meaningful. The
     rounds take their order from `balanced_orders`, so each stage runs right
@@ -169,6 +171,8 @@ def measure_interleaved(stages: dict[str, Stage], policy: RepeatPolicy) -> dict[
             warmup = stage.timer(stage.call)
             samples[name] = [warmup] if warmup >= SLOW_CALL_S else []
             rounds_of[name] = [-1] * len(samples[name])
+            if warmup < SLOW_CALL_S:  # a first call is often slow: it would leave too few
+                warmup = min(warmup, stage.timer(stage.call))
             wanted = int(policy.budget_s / max(warmup, 1e-9))
             repeats = min(max(wanted, policy.min_repeats), policy.max_repeats)
             needed[name] = repeats - len(samples[name])

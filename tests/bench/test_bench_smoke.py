@@ -95,8 +95,9 @@ def test_interleaved_rounds_take_the_balanced_orders():
     calls = []
     stages = {name: Stage(lambda name=name: calls.append(name)) for name in "abcd"}
     measure_interleaved(stages, RepeatPolicy(budget_s=0, min_repeats=8, max_repeats=8))
-    rounds = [calls[start : start + 4] for start in range(4, len(calls), 4)]  # after warm-ups
+    rounds = [calls[start : start + 4] for start in range(8, len(calls), 4)]  # 2 warm-ups each
     expected = [["abcd"[stage] for stage in order] for order in balanced_orders(4)] * 2
+    assert calls[:8] == ["a", "a", "b", "b", "c", "c", "d", "d"]
     assert rounds == expected
 
 

@@ -101,3 +101,18 @@ def test_the_sweep_shapes_its_points_and_writes_a_table_and_a_plot(tmp_path):
     png = tmp_path / "sweep.png"
     staged_sweep.write_plot(png, [result])
     assert png.read_bytes().startswith(b"\x89PNG")
+
+
+def test_the_sweep_pairs_sglang_and_chosen_only_where_both_were_sampled_alike():
+    from bench import staged_sweep
+
+    def result(sglang_repeats: int, chosen_repeats: int) -> dict:
+        figures = {"sglang": {"repeats": sglang_repeats}, "chosen": {"repeats": chosen_repeats}}
+        ratios = {"sglang/chosen": 1.10, "sglang/chosen_paired": 0.90}
+        return {"figures": figures, "ratios": ratios}
+
+    assert staged_sweep.sglang_over_chosen(result(400, 330)) == (0.90, True)
+    assert staged_sweep.sglang_over_chosen(result(5, 38)) == (1.10, False)  # few rounds pair
+    unpaired = result(400, 400)
+    unpaired["ratios"]["sglang/chosen_paired"] = None  # no round in common
+    assert staged_sweep.sglang_over_chosen(unpaired) == (1.10, False)
