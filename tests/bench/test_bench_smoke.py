@@ -13,7 +13,10 @@ import json
 
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
+from bench import harness
 from bench.cases import quick_cases
 from bench.harness import (
     RepeatPolicy,
@@ -121,3 +124,35 @@ def test_interleaved_samples_keep_their_rounds_and_pair_by_them():
     assert paired_ratio(slow, fast, denominator_offset=1.0) == pytest.approx(np.median(offset))
     assert paired_ratio(slow, [(-1, 1.0)]) is None  # a warm-up pairs with nothing
     assert paired_ratio([(0, 4.0), (2, 9.0)], [(2, 3.0), (5, 1.0)]) == 3.0
+
+
+@given(st.integers(1, 12), st.integers(1, 40), st.data())
+def test_a_stage_sampled_in_some_rounds_takes_each_order_in_turn(period, cycles, data):
+    """`wanted` of the rounds, each order of the cycle equally often (within one), spread over
+    the run (each half holds about half)."""
+    rounds = period * cycles
+    wanted = data.draw(st.integers(0, rounds))
+    taken = harness._sample_rounds(wanted, rounds, period)
+    assert len(taken) == rounds and sum(taken) == wanted
+    per_order = collections.Counter(index % period for index, took in enumerate(taken) if took)
+    assert max(per_order.values(), default=0) - min(per_order.values(), default=0) <= 1
+    assert len(per_order) == min(wanted, period)
+    first_half = sum(taken[: rounds // 2])
+    assert abs(first_half - wanted * (rounds // 2) / rounds) <= period
+
+
+def test_a_stage_taking_half_the_samples_runs_in_every_order_alike():
+    """Six stages, one of them twice as slow: it is sampled in half the rounds, as often in each
+    of the six orders (so right after each other stage alike), the others in every round."""
+    stages = {name: Stage(lambda: None, timer=harness_timer(name)) for name in "abcdef"}
+    timings = measure_interleaved(stages, RepeatPolicy(budget_s=0.6, min_repeats=1))
+    assert timings["d"].repeats == 100 and timings["a"].repeats == 200
+    per_order = collections.Counter(index % 6 for index, _ in timings["d"].rounds)
+    assert sorted(per_order) == list(range(6)) and max(per_order.values()) <= 17
+    assert min(per_order.values()) >= 16
+
+
+def harness_timer(name: str):
+    """Stage "d" takes 6 ms, every other 3 ms: a fixed timer, nothing slept."""
+    seconds = 6e-3 if name == "d" else 3e-3
+    return lambda fn: fn() or seconds
