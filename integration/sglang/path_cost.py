@@ -65,8 +65,9 @@ no randomness. Equal prices go direct. To keep the figures of the path it does
 not choose current, a peer's send takes the path priced slower when that path
 was not taken in its last `GPU_PLANNER_COST_PROBE_INTERVAL` (64) choices and is
 priced at most `PROBE_MAX_LOSS` (25%) slower: at most one send in 64 per peer,
-each at most 25% slower by the model, and only near the crossover, where the
-figures matter. Far from it (a 32-descriptor send, 5x cheaper direct) no probe
+each at most 25% slower by the model (up to 100% for a path left untaken
+longer, more rarely: below), and only near the crossover, where the figures
+matter. Far from it (a 32-descriptor send, 5x cheaper direct) no probe
 happens: the linear model carries what larger sends taught it there. A path
 that is still **young** at a peer (fewer than `YOUNG_SENDS` of its sends
 learned) is priced from seeds measured on another machine or day, which can be
@@ -77,7 +78,24 @@ kept sends of 128 x 16 KiB staged at 3.3 ms where direct took 2.8, never probed
 `YOUNG_MAX_LOSS` (2x) slower and not taken in the last `YOUNG_PROBE_EVERY` (2)
 choices, at most `YOUNG_PROBES` (4) times per path and peer: a bounded cost,
 paid once per peer, after which its own sends price it (two learned ones
-corrected the example above).
+corrected the example above). A path priced slower is never shut out for good:
+a few early sends that ran cold (a fresh connection, a process still warming up)
+can leave it priced 30-80% over what it takes, past the ordinary bound, while the
+other path's own sends keep that one right (in one sweep: 32 x 64 KiB, direct
+priced 3.5 ms from 3 learned sends, taking 1.9, staged taking 2.9 with its
+scatter, chosen at every send). So the bound grows the longer the path goes
+untaken: `PROBE_MAX_LOSS` times the whole probe intervals since it was last
+chosen, up to `STALE_STEPS` (4) of them (100%). A path priced 50% slower is
+probed once per 128 choices, 100% slower once per 256: at most 0.4% of the
+sends' time, and the figures of both paths can always be corrected. A probe's
+send that comes in at least `PROBE_MAX_LOSS` under its price is followed by
+another probe at the next choice (where priced at most 2x slower), up to
+`FOLLOW_UPS` (4) in a row: each such send pulls the robust fit a little (an
+observation 2x off its price weighs a quarter), so a price several sends had
+set wrong takes a few probes to correct, and the evidence says that path is
+the faster one (a simulation of the sweep's case, direct's first learned sends
+1.85-2.5x their time: back on direct after 64-200 sends, against 200-600 with
+the interval's probes alone).
 
 **Overrides.** When `GPU_PLANNER_STAGING_MIN_DESCRIPTORS` or
 `GPU_PLANNER_STAGING_MAX_MEAN_BYTES` is set in the environment (`settings.explicit`),
@@ -125,7 +143,9 @@ MAX_PEERS = 256  # peers whose figures are kept (least recently used dropped)
 HALF_LIFE = 32  # observations of one path to one peer after which a send weighs half
 SOLVE_EVERY = 8  # past a peer's first HALF_LIFE sends, its choices solve once per 8 observations
 # (and its observations are folded into the sums 8 at a time, or at a solve)
-PROBE_MAX_LOSS = 0.25  # a probe's path is priced at most this much slower than the other
+PROBE_MAX_LOSS = 0.25  # a probe's path is priced at most this much slower than the other,
+STALE_STEPS = 4  # times the whole probe intervals since it was last taken, up to this many
+FOLLOW_UPS = 4  # probes in a row, at most, of a path whose probes came in under their price
 # While a path has few of its own sends learned at a peer (seeds measured elsewhere can be
 # several times off), a probe may take it sooner and further from the crossover, a few times:
 YOUNG_SENDS = 3  # learned sends of a path after which it is no longer young
@@ -313,8 +333,8 @@ class _Peer:
     """One peer's learning state: fixed size, whatever the number of its sends."""
 
     __slots__ = (
-        "moments", "targets", "sends", "warm", "since", "young_probes", "probed", "unlearned_s",
-        "figures", "unsolved", "pending",
+        "moments", "targets", "sends", "warm", "since", "young_probes", "probed", "follow_up",
+        "chain", "unlearned_s", "figures", "unsolved", "pending",
     )  # fmt: skip
 
     def __init__(self, seeds: Figures) -> None:
@@ -324,9 +344,11 @@ class _Peer:
         self.targets = [[0.0] * _BLOCK for _ in PATHS]
         self.sends = [0, 0]  # successful sends learned from, by path
         self.warm = [False, False]  # a first send of the path came
-        self.since = [0, 0]  # choices since each path was last chosen (capped at the interval)
+        self.since = [0, 0]  # choices since each path was last chosen (capped: `_taken`)
         self.young_probes = [0, 0]  # probes of each path while young
         self.probed = [False, False]  # a probe took the path: its next send is learned from
+        self.follow_up = [False, False]  # its last probe came in under its price: probe again
+        self.chain = [0, 0]  # probes in a row that came in under their price
         self.unlearned_s = [0.0, 0.0]  # time of each path's sends since its last learned one
         self.figures = seeds  # the last solved figures
         self.unsolved = 0  # observations since they were solved
@@ -389,7 +411,8 @@ class PathCosts:
 
         Deterministic for a given state: the cheaper path (direct on a tie),
         or, at most once per probe interval of this peer's choices, the other
-        one where it is priced at most `PROBE_MAX_LOSS` slower; under an
+        one where it is priced at most `PROBE_MAX_LOSS` slower per whole
+        interval it went untaken (`STALE_STEPS` of them at most); under an
         override gate, the gate's. The caller counts the path the send takes
         (`counters.record_path_choice`: a staged choice may still go direct).
         """
@@ -425,7 +448,8 @@ class PathCosts:
         figures = state.figures
         direct_s = figures.direct_s(descriptors, nbytes)
         staged_s = figures.staged_s(staged_pieces, nbytes)
-        if staged_s <= direct_s * (1 + (YOUNG_MAX_LOSS if _young(state, 1) else PROBE_MAX_LOSS)):
+        young_loss = YOUNG_MAX_LOSS if _young(state, 1) or state.follow_up[1] else 0.0
+        if staged_s <= direct_s * (1 + max(young_loss, self._probe_loss(state, 1), PROBE_MAX_LOSS)):
             return None
         self._taken(state, DIRECT)
         return Choice(DIRECT, direct_s, staged_s, PRICED_SLOWER)
@@ -437,9 +461,16 @@ class PathCosts:
         low, high = sorted((direct_s, staged_s))
         dearer_index = PATHS.index(dearer)
         since = state.since[dearer_index]
-        if interval and since >= interval and high <= low * (1 + PROBE_MAX_LOSS):
+        loss = self._probe_loss(state, dearer_index)
+        if loss and high <= low * (1 + loss):
             path = dearer
-            reason = f"probe: {dearer} priced slower by at most {PROBE_MAX_LOSS:.0%}"
+            reason = f"probe: {dearer} priced slower by at most {loss:.0%}"
+        elif interval and state.follow_up[dearer_index] and high <= low * (1 + YOUNG_MAX_LOSS):
+            path = dearer
+            reason = (
+                f"probe: {dearer}, came in under its price, priced slower by at most "
+                f"{YOUNG_MAX_LOSS:.0%}"
+            )
         elif (
             interval
             and _young(state, dearer_index)
@@ -454,12 +485,19 @@ class PathCosts:
         self._taken(state, path)
         return path, reason
 
+    def _probe_loss(self, state: _Peer, index: int) -> float:
+        """How much slower path `index` may be priced for a regular probe to take it now: 0
+        within its first probe interval untaken, else `PROBE_MAX_LOSS` per whole interval."""
+        interval = self.probe_interval
+        return PROBE_MAX_LOSS * (state.since[index] // interval) if interval else 0.0
+
     def _taken(self, state: _Peer, path: str) -> None:
-        """Move the probe clocks: `path` was chosen, the other is one choice further from it."""
+        """Move the probe clocks: `path` was chosen, the other is one choice further from it
+        (counted up to `STALE_STEPS` probe intervals)."""
+        most = self.probe_interval * STALE_STEPS
         for index, name in enumerate(PATHS):
-            state.since[index] = (
-                0 if name == path else min(state.since[index] + 1, self.probe_interval)
-            )
+            state.since[index] = 0 if name == path else min(state.since[index] + 1, most)
+        state.follow_up[PATHS.index(path)] = False  # taken: no follow-up pending
 
     def observe(
         self, peer: str, path: str, requests: int, nbytes: int, seconds: float, ok: bool = True
@@ -490,9 +528,16 @@ class PathCosts:
                 if state.unlearned_s[index] < LEARN_EVERY_S:
                     return False
             state.unlearned_s[index] = 0.0
-            state.probed[index] = False
             predicted = state.figures.send_s(path, requests, nbytes)  # solved at the last choice
             predicted = max(predicted, 1e-12)
+            under = (
+                state.probed[index]
+                and seconds * (1 + PROBE_MAX_LOSS) < predicted
+                and state.chain[index] < FOLLOW_UPS
+            )
+            state.chain[index] = state.chain[index] + 1 if under else 0
+            state.follow_up[index] = under
+            state.probed[index] = False
             state.pending.append((index, requests, nbytes, seconds, predicted))
             if len(state.pending) >= SOLVE_EVERY:
                 self._fold(state)

@@ -26,12 +26,14 @@ from gpu_planner.integration import info
 from gpu_planner.integration.sglang import counters, path_cost
 from gpu_planner.integration.sglang.path_cost import (
     DIRECT,
+    FOLLOW_UPS,
     PASSES_GATE,
     PATHS,
     PRICED_FASTER,
     PRICED_SLOWER,
     PROBE_MAX_LOSS,
     STAGED,
+    STALE_STEPS,
     YOUNG_MAX_LOSS,
     YOUNG_PROBE_EVERY,
     YOUNG_PROBES,
@@ -207,15 +209,19 @@ def test_a_probe_takes_the_dearer_path_once_per_interval_within_the_loss_bound()
     assert paths == young + ([DIRECT] * 4 + [STAGED]) * 3
     probe = costs.choose("other", 10, 0, 11)
     assert probe.path == DIRECT  # each peer counts its own choices
-    far = PathCosts(figures, probe_interval=4)  # 30% dearer: past the bound, probed only young
+    far = PathCosts(figures, probe_interval=4)  # 30% dearer: past the bound for one interval
     paths = [far.choose("peer", 10, 0, 13) for _ in range(40)]
     young = ([DIRECT] * YOUNG_PROBE_EVERY + [STAGED]) * YOUNG_PROBES
-    assert [choice.path for choice in paths] == young + [DIRECT] * (40 - len(young))
-    assert {choice.reason for choice in paths if choice.path == STAGED} == {
+    stale = [DIRECT] * 8 + [STAGED]  # after two whole intervals: within 50%
+    assert [choice.path for choice in paths] == young + (stale * 4)[: 40 - len(young)]
+    assert [choice.reason for choice in paths if choice.path == STAGED] == [
         f"probe: staged, young, priced slower by at most {YOUNG_MAX_LOSS:.0%}"
-    }
-    beyond = PathCosts(figures, probe_interval=4)  # 2.1x dearer: past both bounds, never probed
-    assert {beyond.choose("peer", 10, 0, 21).path for _ in range(40)} == {DIRECT}
+    ] * YOUNG_PROBES + [f"probe: staged priced slower by at most {2 * PROBE_MAX_LOSS:.0%}"] * 3
+    beyond = PathCosts(figures, probe_interval=4)  # 2.1x dearer: past every bound, never probed
+    assert {beyond.choose("peer", 10, 0, 21).path for _ in range(200)} == {DIRECT}
+    twice = PathCosts(figures, probe_interval=4)  # 2x dearer: once per STALE_STEPS intervals
+    paths = [twice.choose("peer", 10, 0, 20).path for _ in range(len(young) + 3 * 17)]
+    assert paths[len(young) :] == ([DIRECT] * (4 * STALE_STEPS) + [STAGED]) * 3
 
 
 def test_a_path_is_young_until_a_few_of_its_sends_are_learned():
@@ -224,12 +230,41 @@ def test_a_path_is_young_until_a_few_of_its_sends_are_learned():
     figures = dataclasses.replace(EXACT, staged_fixed_s=0.0, request_s=REQUEST)
     costs = PathCosts(figures, probe_interval=64)
     probes = 0
-    for _ in range(200):  # staged 30% dearer; each probe's send is learned at its price
+    for _ in range(120):  # staged 30% dearer (probed again only after 2 intervals); each
+        # probe's send is learned at its price
         choice = costs.choose("peer", 10, 0, 13)
         if choice.path == STAGED:
             probes += 1
             costs.observe("peer", STAGED, 13, 0, choice.staged_s)
     assert probes == YOUNG_SENDS + 1  # the first send of a path is not learned from
+
+
+@pytest.mark.parametrize("off", [0.7, 1.0])
+def test_a_probe_that_came_in_under_its_price_is_followed_by_a_few_more(off):
+    """Staged priced 90% over direct, past its young probes: probed once per STALE_STEPS
+    intervals; a probe's send that came in 30% under its price is followed by a probe at each
+    next choice, FOLLOW_UPS in a row at most; one that came in at its price is not."""
+    figures = dataclasses.replace(EXACT, staged_fixed_s=0.0, request_s=REQUEST)
+    costs = PathCosts(figures, probe_interval=4)
+    for path, requests in ((DIRECT, 10), (STAGED, 19)) * (YOUNG_SENDS + 1):
+        costs.observe("peer", path, requests, 0, figures.send_s(path, requests, 0))
+    choices = []
+    for _ in range(2 * (4 * STALE_STEPS + 1 + FOLLOW_UPS)):
+        choice = costs.choose("peer", 10, 0, 19)
+        requests = 10 if choice.path == DIRECT else 19
+        seconds = figures.send_s(choice.path, requests, 0) * (off if choice.staged else 1.0)
+        costs.observe("peer", choice.path, requests, 0, seconds)
+        choices.append(choice)
+    follow_ups = FOLLOW_UPS if off < 1 else 0
+    cycle = [DIRECT] * (4 * STALE_STEPS) + [STAGED] * (1 + follow_ups)
+    assert [choice.path for choice in choices][: 2 * len(cycle)] == cycle * 2
+    staged = [choice.reason for choice in choices if choice.staged][: 1 + follow_ups]
+    assert (
+        staged
+        == [f"probe: staged priced slower by at most {STALE_STEPS * PROBE_MAX_LOSS:.0%}"]
+        + [f"probe: staged, came in under its price, priced slower by at most {YOUNG_MAX_LOSS:.0%}"]
+        * follow_ups
+    )
 
 
 def test_a_probe_can_take_direct_too_and_names_itself():
@@ -280,6 +315,7 @@ def test_it_never_chooses_a_path_its_own_model_prices_higher(seeds, steps, inter
     costs = PathCosts(seeds, probe_interval=interval)
     since_taken: dict[tuple[str, str], int] = {}
     young_probes: dict[tuple[str, str], int] = {}
+    chain: dict[tuple[str, str], int] = {}  # follow-up probes in a row
     for kind, *arguments in steps:
         if kind == "observe":
             peer, path, requests, nbytes, seconds, ok = arguments[0]
@@ -290,21 +326,32 @@ def test_it_never_chooses_a_path_its_own_model_prices_higher(seeds, steps, inter
         assert math.isfinite(choice.direct_s) and math.isfinite(choice.staged_s)
         cheaper = STAGED if choice.staged_s < choice.direct_s else DIRECT
         for path in PATHS:  # choices of this peer since each path was last taken
-            since_taken[peer, path] = since_taken.get((peer, path), interval) + 1
+            since_taken[peer, path] = since_taken.get((peer, path), 0) + 1
         if choice.path != cheaper:
             ratio = max(choice.direct_s, choice.staged_s) / min(choice.direct_s, choice.staged_s)
             assert interval and choice.reason.startswith("probe: ")
-            if ", young," in choice.reason:  # a few per path and peer, within twice the price
+            if ", came in under its price," in choice.reason:  # a few in a row, within 2x
+                chain[peer, choice.path] = chain.get((peer, choice.path), 0) + 1
+                assert chain[peer, choice.path] <= FOLLOW_UPS
+                assert ratio <= (1 + YOUNG_MAX_LOSS) * (1 + 1e-12)
+                since_taken[peer, choice.path] = 0
+                continue
+            elif ", young," in choice.reason:  # a few per path and peer, within twice the price
                 young_probes[peer, choice.path] = young_probes.get((peer, choice.path), 0) + 1
                 assert young_probes[peer, choice.path] <= YOUNG_PROBES
                 assert ratio <= (1 + YOUNG_MAX_LOSS) * (1 + 1e-12)
                 assert since_taken[peer, choice.path] > min(interval, YOUNG_PROBE_EVERY)
-            else:  # at most one in `interval` choices per peer and path
-                assert ratio <= (1 + PROBE_MAX_LOSS) * (1 + 1e-12)
-                assert since_taken[peer, choice.path] > interval
+            else:  # at most one in `interval` choices per peer and path, 25% per interval
+                intervals = min((since_taken[peer, choice.path] - 1) // interval, STALE_STEPS)
+                assert intervals >= 1
+                assert ratio <= (1 + PROBE_MAX_LOSS * intervals) * (1 + 1e-12)
+                assert choice.reason == f"probe: {choice.path} priced slower by at most " + (
+                    f"{PROBE_MAX_LOSS * intervals:.0%}"
+                )
         else:
             assert choice.reason == (PRICED_FASTER if cheaper == STAGED else PRICED_SLOWER)
         since_taken[peer, choice.path] = 0
+        chain[peer, choice.path] = 0  # any other choice of the path ends a chain of follow-ups
 
 
 class LockedOnly(PathCosts):
