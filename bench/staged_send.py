@@ -38,7 +38,8 @@ Per variant: wall time (`bench.harness`), GIL holds and waits (`bench.gil`,
 through `bench.send_path.measure_sends`), descriptors and bytes handed to
 Mooncake (the plugin's counters; sglang's: its runs); `staged_with_scatter_s`
 (the staged send's median plus the scatter's), `chosen_with_scatter_s` (the
-chosen send's, plus the scatter's when it stages) and the ratios to them; the
+median of the chosen sends, each with the scatter's median where it staged)
+and the ratios to them; the
 `_paired` ratios are medians of per-round ratios (`harness.paired_ratio`: two
 variants timed in one round ran one right after the other), steadier than the
 ratio of medians where a slow send leaves few samples, and each variant's
@@ -66,7 +67,7 @@ import numpy as np
 
 from bench.harness import RepeatPolicy, paired_ratio
 from bench.live_submit import LOCALHOST, live_peer
-from bench.send_path import measure_sends
+from bench.send_path import GIL_CALLS, measure_sends
 from gpu_planner import settings
 from gpu_planner.integration.mooncake.engine import (
     QUIET_ENV,
@@ -128,10 +129,12 @@ class CountedCosts(PathCosts):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.paths = dict.fromkeys((DIRECT, STAGED), 0)
+        self.history: list[str] = []  # the path of each choice, in order
 
     def choose(self, peer: str, descriptors: int, nbytes: int, staged_pieces: int) -> Choice:
         choice = super().choose(peer, descriptors, nbytes, staged_pieces)
         self.paths[choice.path] += 1
+        self.history.append(choice.path)
         return choice
 
 
@@ -522,6 +525,7 @@ def measure(
             before = dict(bench.chosen_costs.paths)
             figures = measure_sends(stages, policy, keep_rounds=True)
             paths = {path: n - before[path] for path, n in bench.chosen_costs.paths.items()}
+            timed_paths = _timed_paths(bench.chosen_costs.history, figures["chosen"]["repeats"])
             slot_bytes = bench.staging.slot_bytes
             model = bench.chosen_costs.figures(bench.session)
         finally:
@@ -532,8 +536,12 @@ def measure(
     chosen_path = STAGED if paths[STAGED] > paths[DIRECT] else DIRECT
     staged_s, scatter_s = figures["staged"]["median"], figures["scatter"]["median"]
     with_scatter = staged_s + scatter_s
-    chosen_s = figures["chosen"]["median"]
-    chosen_with_scatter = chosen_s + (scatter_s if chosen_path == STAGED else 0.0)
+    # Each timed chosen send with the decode's scatter where it staged (the paths may mix).
+    chosen_rounds = [
+        (index, seconds + (scatter_s if path == STAGED else 0.0))
+        for (index, seconds), path in zip(figures["chosen"]["rounds"], timed_paths, strict=True)
+    ]
+    chosen_with_scatter = float(np.median([seconds for _, seconds in chosen_rounds]))
     hook_s, sglang_s = figures["hook"]["median"], figures["sglang"]["median"]
     fastest_s = min(hook_s, with_scatter)
     result: dict[str, Any] = {
@@ -564,11 +572,7 @@ def measure(
             "sglang/staged_with_scatter": sglang_s / with_scatter,
             "chosen/fastest": chosen_with_scatter / fastest_s,
             "sglang/chosen": sglang_s / chosen_with_scatter,
-            "sglang/chosen_paired": paired_ratio(
-                figures["sglang"]["rounds"],
-                figures["chosen"]["rounds"],
-                scatter_s if chosen_path == STAGED else 0.0,
-            ),
+            "sglang/chosen_paired": paired_ratio(figures["sglang"]["rounds"], chosen_rounds),
             "sglang/hook_paired": paired_ratio(
                 figures["sglang"]["rounds"], figures["hook"]["rounds"]
             ),
@@ -584,6 +588,16 @@ def measure(
     if landed is not None:
         result["landed_as_expected"] = landed
     return result
+
+
+def _timed_paths(history: list[str], repeats: int) -> list[str]:
+    """The paths of the chosen variant's timed sends: the `repeats` choices right before its
+    GIL-watched ones (`measure_sends`: as many as were timed, `GIL_CALLS` at most)."""
+    watched = min(repeats, GIL_CALLS)
+    timed = history[len(history) - watched - repeats : len(history) - watched]
+    if len(timed) != repeats:
+        raise RuntimeError(f"{len(history)} choices for {repeats} timed chosen sends")
+    return timed
 
 
 def main() -> None:
