@@ -352,8 +352,8 @@ COST_PROBE_INTERVAL = Setting(
     _count(0),
     "an integer >= 0",
     "at most one send in this many to a peer takes the path the cost model prices slower, and "
-    "only when it is priced at most 25% slower, so that both paths' figures stay current; 0 "
-    "never does",
+    "only when it is priced at most 25% slower per whole interval that path went untaken (at "
+    "most 100%, after four), so that both paths' figures stay current; 0 never does",
 )
 BATCH_TIMEOUT_S = Setting(
     "GPU_PLANNER_BATCH_TIMEOUT_S",
