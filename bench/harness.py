@@ -51,11 +51,9 @@ class Timing:
 
 
 def paired_ratio(
-    numerator: Sequence[tuple[int, float]],
-    denominator: Sequence[tuple[int, float]],
-    denominator_offset: float = 0.0,
+    numerator: Sequence[tuple[int, float]], denominator: Sequence[tuple[int, float]]
 ) -> float | None:
-    """The median, over the rounds both were sampled in, of numerator / (denominator + offset).
+    """The median, over the rounds both were sampled in, of numerator / denominator.
 
     Arguments are `Timing.rounds`. Two sends sampled in one round ran one
     right after the other, so a change of the machine's load or the wire's
@@ -64,11 +62,7 @@ def paired_ratio(
     round in common.
     """
     by_round = {index: seconds for index, seconds in denominator if index >= 0}
-    ratios = [
-        seconds / (by_round[index] + denominator_offset)
-        for index, seconds in numerator
-        if index in by_round
-    ]
+    ratios = [seconds / by_round[index] for index, seconds in numerator if index in by_round]
     return float(np.median(ratios)) if ratios else None
 
 
@@ -194,7 +188,7 @@ def measure_interleaved(stages: dict[str, Stage], policy: RepeatPolicy) -> dict[
         rounds = -(-max(needed.values(), default=0) // period) * period  # whole cycles
         takes = {name: _sample_rounds(count, rounds, period) for name, count in needed.items()}
         for round_index in range(rounds):
-            for name in (names[stage] for stage in orders[round_index % len(orders)]):
+            for name in (names[stage] for stage in orders[round_index % period]):
                 if takes[name][round_index]:
                     samples[name].append(stages[name].timer(stages[name].call))
                     rounds_of[name].append(round_index)

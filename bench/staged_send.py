@@ -124,16 +124,15 @@ def plugin_defaults() -> Iterator[None]:
 
 
 class CountedCosts(PathCosts):
-    """A cost model that counts the paths it chose (the `chosen` variant's)."""
+    """A cost model that keeps the path of each of its choices, in order (the `chosen`
+    variant's)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.paths = dict.fromkeys((DIRECT, STAGED), 0)
-        self.history: list[str] = []  # the path of each choice, in order
+        self.history: list[str] = []
 
     def choose(self, peer: str, descriptors: int, nbytes: int, staged_pieces: int) -> Choice:
         choice = super().choose(peer, descriptors, nbytes, staged_pieces)
-        self.paths[choice.path] += 1
         self.history.append(choice.path)
         return choice
 
@@ -522,10 +521,11 @@ def measure(
             policy = RepeatPolicy(
                 budget_s=budget_s, min_repeats=MIN_REPEATS, max_repeats=MAX_REPEATS
             )
-            before = dict(bench.chosen_costs.paths)
+            history = bench.chosen_costs.history
+            before = len(history)
             figures = measure_sends(stages, policy, keep_rounds=True)
-            paths = {path: n - before[path] for path, n in bench.chosen_costs.paths.items()}
-            timed_paths = _timed_paths(bench.chosen_costs.history, figures["chosen"]["repeats"])
+            paths = {path: history[before:].count(path) for path in (DIRECT, STAGED)}
+            timed_paths = _timed_paths(history, figures["chosen"]["repeats"])
             slot_bytes = bench.staging.slot_bytes
             model = bench.chosen_costs.figures(bench.session)
         finally:
