@@ -30,13 +30,11 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from numba import types
-from numba.core import cgutils
-from numba.extending import intrinsic
 
 from gpu_planner.cuda_streams import on_torch_device
 from gpu_planner.errors import PlanValidationError
 from gpu_planner.head_slices import HeadSliceLayout, PerLayer, per_layer
+from gpu_planner.host_copy import copy_page_slices, finish_copies
 from gpu_planner.inputs import (
     HOST,
     INT64_MAX,
@@ -416,30 +414,21 @@ def _copy_table(layout: HeadSliceLayout, num_pages: int) -> np.ndarray:
     )
 
 
-@intrinsic
-def _copy_bytes(typingctx, dst_address, src_address, nbytes):
-    """memcpy(dst_address, src_address, nbytes) on raw int64 addresses."""
-
-    def codegen(context, builder, signature, args):
-        dst, src = (builder.inttoptr(address, cgutils.voidptr_t) for address in args[:2])
-        cgutils.raw_memcpy(builder, dst, src, args[2], 1)
-
-    return types.void(types.int64, types.int64, types.int64), codegen
-
-
 @compiled
 def _gather_loop(entries, pages, page_size):
     """Copy each token's slice; `entries` as the kernel's, with absolute staged bases."""
+    pending = np.zeros(3, dtype=np.int64)
     for entry in range(entries.shape[0]):
         src_base, src_page_len, src_token_len = entries[entry, :3]
         dst_base, dst_page_len, dst_token_len, slice_len = entries[entry, 3:]
         for position in range(pages.shape[0]):
-            src_page = src_base + pages[position] * src_page_len
-            dst_page = dst_base + position * dst_page_len
-            for slot in range(page_size):
-                _copy_bytes(
-                    dst_page + slot * dst_token_len, src_page + slot * src_token_len, slice_len
-                )
+            copy_page_slices(
+                pending,
+                dst_base + position * dst_page_len,
+                src_base + pages[position] * src_page_len,
+                page_size, dst_token_len, src_token_len, slice_len,
+            )  # fmt: skip
+    finish_copies(pending)
 
 
 def compile_kernels() -> None:

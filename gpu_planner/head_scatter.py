@@ -39,11 +39,11 @@ from gpu_planner.head_gather import (
     Staging,
     _address_and_nbytes,
     _check_layout,
-    _copy_bytes,
     _largest_page,
     staging_and_backend,
 )
 from gpu_planner.head_slices import HeadSliceLayout, PerLayer, per_layer
+from gpu_planner.host_copy import copy_page_slices, finish_copies
 from gpu_planner.inputs import (
     INT64_MAX,
     Backend,
@@ -362,17 +362,19 @@ def _scatter_loop(entries, pages, page_size):
 
     `pages` [2, num_pages]: the host-space, then the device-space pages.
     """
+    pending = np.zeros(3, dtype=np.int64)
     for entry in range(entries.shape[0]):
         src_base, src_page_len, src_token_len = entries[entry, :3]
         dst_base, dst_page_len, dst_token_len, slice_len, space = entries[entry, 3:]
         space_pages = pages[space]
         for position in range(pages.shape[1]):
-            src_page = src_base + position * src_page_len
-            dst_page = dst_base + space_pages[position] * dst_page_len
-            for slot in range(page_size):
-                _copy_bytes(
-                    dst_page + slot * dst_token_len, src_page + slot * src_token_len, slice_len
-                )
+            copy_page_slices(
+                pending,
+                dst_base + space_pages[position] * dst_page_len,
+                src_base + position * src_page_len,
+                page_size, dst_token_len, src_token_len, slice_len,
+            )  # fmt: skip
+    finish_copies(pending)
 
 
 def compile_kernels() -> None:

@@ -45,6 +45,11 @@ PerLayer = int | Sequence[int] | np.ndarray  # one value for every layer, or one
 
 def per_layer(values: PerLayer, name: str, num_layers: int) -> np.ndarray:
     """`values` as int64 [num_layers], each in [0, 2**63); the error names the layer."""
+    if is_integer(values) and 0 <= values <= INT64_MAX:
+        return np.full(num_layers, values, dtype=np.int64)
+    checked = _checked_at_once(values, num_layers)
+    if checked is not None:
+        return checked
     if is_integer(values):
         values = [values] * num_layers
     try:
@@ -59,8 +64,29 @@ def per_layer(values: PerLayer, name: str, num_layers: int) -> np.ndarray:
         if not is_integer(value):
             raise PlanValidationError(f"{name}[{layer}] = {value!r}: must be an integer")
         if not 0 <= int(value) <= INT64_MAX:
-            raise PlanValidationError(f"{name}[{layer}] = {int(value)}: must be in [0, 2**63)")
+            shown = int(value) if abs(int(value)) <= INT64_MAX else f"{int(value):#x}"
+            raise PlanValidationError(f"{name}[{layer}] = {shown}: must be in [0, 2**63)")
     return np.array([int(value) for value in listed], dtype=np.int64)
+
+
+def _checked_at_once(values: object, num_layers: int) -> np.ndarray | None:
+    """`per_layer`'s answer for a list or tuple of Python ints or a 1-D integer array, checked
+    with array operations (a send's layouts take ~20 layers' values each); None: anything
+    else, or anything wrong, which `per_layer`'s loop then names."""
+    if isinstance(values, (list, tuple)):
+        if len(values) != num_layers or not set(map(type, values)) <= {int}:
+            return None  # bool, NumPy scalars, anything else: the loop tells them apart
+        try:
+            values = np.array(values, dtype=np.int64)
+        except OverflowError:
+            return None
+    elif not (isinstance(values, np.ndarray) and values.dtype.kind in "iu"):
+        return None
+    if values.shape != (num_layers,):
+        return None
+    if num_layers and (values.min() < 0 or values.max() > INT64_MAX):
+        return None
+    return values.astype(np.int64)
 
 
 @dataclass(frozen=True)

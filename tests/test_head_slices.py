@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import doctest
 
 import numpy as np
@@ -173,3 +174,52 @@ def test_layers_of_one_length_share_one_read_only_lengths_column():
 def test_docstring_examples():
     results = doctest.testmod(head_slices, extraglobs={"np": np})
     assert results.attempted > 0 and results.failed == 0
+
+
+def _per_layer_one_by_one(values, num_layers):
+    """per_layer's semantics, value by value: the array, or the error's message."""
+    if head_slices.is_integer(values):
+        values = [values] * num_layers
+    listed = list(values)
+    if len(listed) != num_layers:
+        return f"x: has {len(listed)} values for {num_layers} layers"
+    for layer, value in enumerate(listed):
+        if not head_slices.is_integer(value):
+            return f"x[{layer}] = {value!r}: must be an integer"
+        if not 0 <= int(value) <= INT64_MAX:
+            return f"x[{layer}]"
+    return np.array([int(value) for value in listed], dtype=np.int64)
+
+
+_ANY_VALUE = st.one_of(
+    st.integers(0, INT64_MAX),
+    st.integers(-(2**70), 2**70),
+    st.sampled_from([0, 1, INT64_MAX, INT64_MAX + 1, 2**64 - 1, 2**64, -1, True, False]),
+    st.integers(0, 2**31 - 1).map(np.int32),
+    st.integers(0, INT64_MAX).map(np.uint64),
+    st.floats(0, 8),
+)
+
+
+@given(
+    values=st.lists(_ANY_VALUE, max_size=6) | st.integers(-2, INT64_MAX + 2),
+    num_layers=st.integers(0, 6),
+    form=st.sampled_from(["list", "tuple", "array"]),
+)
+def test_per_layer_takes_and_refuses_what_a_value_by_value_check_does(values, num_layers, form):
+    if not isinstance(values, int):
+        if form == "tuple":
+            values = tuple(values)
+        elif form == "array":
+            with contextlib.suppress(OverflowError):  # Python ints past NumPy's stay a list
+                values = np.array(values)
+    expected = _per_layer_one_by_one(values, num_layers)
+    if isinstance(expected, str):
+        with pytest.raises(gp.PlanValidationError) as refused:
+            head_slices.per_layer(values, "x", num_layers)
+        assert str(refused.value).startswith(expected)
+    else:
+        got = head_slices.per_layer(values, "x", num_layers)
+        assert got.dtype == np.int64 and got.tolist() == expected.tolist()
+        if isinstance(values, np.ndarray):
+            assert not np.shares_memory(got, values)  # the caller's array is never the layout's
