@@ -107,33 +107,37 @@ def scatter_layout(
         raise PlanValidationError(
             f"dst_ptrs: expected one address per entry, got {dst_ptrs!r}"
         ) from None
-    page_lens = per_layer(dst_page_lens, "dst_page_lens", num_entries).tolist()
+    page_lens = per_layer(dst_page_lens, "dst_page_lens", num_entries)
     unit = page_size * int(writers)
-    offsets, offset = [], int(staged_base)
-    for entry, page_len in enumerate(page_lens):
-        if page_len % unit:
-            raise PlanValidationError(
-                f"entry {entry}: dst_page_lens[{entry}] = {page_len} is not a multiple of "
-                f"page_size * writers = {page_size} * {writers}"
-            )
-        if offset > INT64_MAX:
-            raise PlanValidationError(
-                f"entry {entry}: its staged pages would start at byte {offset} (staged_base "
-                f"{staged_base} + {num_pages} pages of the entries before it), past 2**63 - 1"
-            )
-        offsets.append(offset)
-        offset += int(num_pages) * (page_len // int(writers))
-    slice_lens = [page_len // unit for page_len in page_lens]
+    not_whole = np.flatnonzero(page_lens % unit)
+    if not_whole.size:
+        entry = int(not_whole[0])
+        raise PlanValidationError(
+            f"entry {entry}: dst_page_lens[{entry}] = {page_lens[entry]} is not a multiple of "
+            f"page_size * writers = {page_size} * {writers}"
+        )
+    staged_page_lens = page_lens // int(writers)
+    # Python ints (object arrays) for the starts: no sum can overflow.
+    sizes = staged_page_lens[:-1].astype(object) * int(num_pages)
+    starts = np.cumsum(np.concatenate([np.array([int(staged_base)], dtype=object), sizes]))
+    past_int64 = np.flatnonzero(starts > INT64_MAX)
+    if past_int64.size:
+        entry = int(past_int64[0])
+        raise PlanValidationError(
+            f"entry {entry}: its staged pages would start at byte {starts[entry]} (staged_base "
+            f"{staged_base} + {num_pages} pages of the entries before it), past 2**63 - 1"
+        )
+    slice_lens = page_lens // unit
     return HeadSliceLayout.build(
-        src_ptrs=offsets,
-        dst_ptrs=list(dst_ptrs),
+        src_ptrs=starts[:num_entries].astype(np.int64),
+        dst_ptrs=dst_ptrs,
         page_size=page_size,
-        src_page_lens=[page_len // int(writers) for page_len in page_lens],
+        src_page_lens=staged_page_lens,
         dst_page_lens=page_lens,
         src_token_lens=slice_lens,
-        dst_token_lens=[page_len // page_size for page_len in page_lens],
+        dst_token_lens=page_lens // page_size,
         src_head_offsets=0,
-        dst_head_offsets=[int(writer) * slice_len for slice_len in slice_lens],
+        dst_head_offsets=int(writer) * slice_lens,
         slice_lens=slice_lens,
     )
 
