@@ -98,6 +98,8 @@ def current_send() -> SendProgress:
 
 def log_once(level: int, message: str, key: str, error: Exception | None = None) -> None:
     """Log `message` the first time `key` comes, in this process."""
+    if key in _logged_keys:  # keys are only added: a set read, no lock, for every later time
+        return
     with _logged_lock:
         if key in _logged_keys:
             return

@@ -180,11 +180,13 @@ def kv_torch_device(kv_args: Any) -> torch.device | str:
 
 def staging_for(manager: Any) -> GatherStaging | str:
     """`manager`'s staging, allocated and registered on first use; else why it has none."""
-    with _stagings_lock:
-        staging = _stagings.get(manager)
-        if staging is None:
-            staging = _new_staging(manager)
-            _stagings[manager] = staging
+    staging = _stagings.get(manager)  # a dict read: every send but the manager's first
+    if staging is None:
+        with _stagings_lock:
+            staging = _stagings.get(manager)
+            if staging is None:
+                staging = _new_staging(manager)
+                _stagings[manager] = staging
     return staging.reason if isinstance(staging, _NoStaging) else staging
 
 

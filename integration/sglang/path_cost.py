@@ -673,6 +673,9 @@ def path_costs() -> PathCosts:
     global _shared
     settings.loaded(settings.COST_PROBE_INTERVAL)  # loads the settings if nothing did yet
     generation = settings.generation()
+    shared = _shared  # one read: atomic; every send but the first after a load ends here
+    if shared is not None and shared[0] == generation:
+        return shared[1]
     with _shared_lock:
         if _shared is None or _shared[0] != generation:
             _shared = (generation, PathCosts.from_settings())
