@@ -332,19 +332,20 @@ COST_GATHER_GB_S = Setting(
 )
 COST_SCATTER_GB_S = Setting(
     "GPU_PLANNER_COST_SCATTER_GB_S",
-    4.0,
+    8.0,
     _number(0, inclusive=False),
     "GB/s > 0",
     "the cost model's figure for the decode's scatter of a staged send (the prefill never sees "
-    "it: not learned; measured on the 2-core CPU: 4-5.5 GB/s, 4.1 GB/s at 512 MiB)",
+    "it: not learned; measured on the 2-core CPU since its copies are joined: 7-8.3 GB/s at "
+    "8-512 MiB in bench.staged_sweep, 2026-12-05)",
 )
 COST_SCATTER_FIXED_US = Setting(
     "GPU_PLANNER_COST_SCATTER_FIXED_US",
-    500.0,
+    250.0,
     _number(0),
     "microseconds >= 0",
     "the cost model's figure for the decode scatter's fixed cost (not learned; measured on the "
-    "2-core CPU: 0.3 ms for 128-256 KiB on a quiet day, 0.6 ms for 32 KiB in bench.staged_sweep)",
+    "2-core CPU: 0.22-0.27 ms for 32-512 KiB in bench.staged_sweep, 2026-12-05)",
 )
 COST_PROBE_INTERVAL = Setting(
     "GPU_PLANNER_COST_PROBE_INTERVAL",

@@ -110,8 +110,8 @@ SEEDS = Figures(  # the settings' defaults (bench.staged_sweep, docs/benchmarks.
     request_s=40e-6,
     link_bytes_per_s=1.6e9,
     staged_bytes_per_s=1 / (1 / 1.6e9 + 1 / 4e9),
-    scatter_fixed_s=5e-4,
-    scatter_bytes_per_s=4e9,
+    scatter_fixed_s=2.5e-4,
+    scatter_bytes_per_s=8e9,
 )
 
 
