@@ -34,7 +34,7 @@ import torch
 from gpu_planner.cuda_streams import on_torch_device
 from gpu_planner.errors import PlanValidationError
 from gpu_planner.head_slices import HeadSliceLayout, PerLayer, per_layer
-from gpu_planner.host_copy import copy_page_slices, finish_copies
+from gpu_planner.host_copy import gather_loop
 from gpu_planner.inputs import (
     HOST,
     INT64_MAX,
@@ -48,7 +48,6 @@ from gpu_planner.inputs import (
     negative_page_error,
     resolve_backend,
 )
-from gpu_planner.jit import compiled
 from gpu_planner.kernels.launch_config import MAX_GRID_Y
 from gpu_planner.layout import BufferLayout
 from gpu_planner.plan import plan_transfer
@@ -147,7 +146,7 @@ def gather_head_slices(
     if backend == "cpu":
         page_array = np.ascontiguousarray(as_host_array(pages), dtype=np.int64)
         entries[:, 3] += staging_address
-        _gather_loop(entries, page_array, layout.page_size)
+        gather_loop(entries, page_array, layout.page_size)
         return
     from gpu_planner.kernels.head_gather import launch_gather_head_slices
 
@@ -414,23 +413,6 @@ def _copy_table(layout: HeadSliceLayout, num_pages: int) -> np.ndarray:
     )
 
 
-@compiled
-def _gather_loop(entries, pages, page_size):
-    """Copy each token's slice; `entries` as the kernel's, with absolute staged bases."""
-    pending = np.zeros(3, dtype=np.int64)
-    for entry in range(entries.shape[0]):
-        src_base, src_page_len, src_token_len = entries[entry, :3]
-        dst_base, dst_page_len, dst_token_len, slice_len = entries[entry, 3:]
-        for position in range(pages.shape[0]):
-            copy_page_slices(
-                pending,
-                dst_base + position * dst_page_len,
-                src_base + pages[position] * src_page_len,
-                page_size, dst_token_len, src_token_len, slice_len,
-            )  # fmt: skip
-    finish_copies(pending)
-
-
 def compile_kernels() -> None:
     """Compile the CPU loop now (or load it from Numba's cache), so no send waits for it."""
-    _gather_loop(np.zeros((1, 7), dtype=np.int64), np.zeros(0, dtype=np.int64), 1)
+    gather_loop(np.zeros((1, 7), dtype=np.int64), np.zeros(0, dtype=np.int64), 1)

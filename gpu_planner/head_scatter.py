@@ -43,7 +43,7 @@ from gpu_planner.head_gather import (
     staging_and_backend,
 )
 from gpu_planner.head_slices import HeadSliceLayout, PerLayer, per_layer
-from gpu_planner.host_copy import copy_page_slices, finish_copies
+from gpu_planner.host_copy import scatter_loop
 from gpu_planner.inputs import (
     INT64_MAX,
     Backend,
@@ -56,7 +56,6 @@ from gpu_planner.inputs import (
     check_same_length,
     is_integer,
 )
-from gpu_planner.jit import compiled
 
 __all__ = ["HostRegion", "compile_kernels", "scatter_head_slices", "scatter_layout"]
 
@@ -207,7 +206,7 @@ def scatter_head_slices(
         page_rows[0] = as_host_array(pages)
         page_rows[1] = page_rows[0] if device_pages is None else as_host_array(device_pages)
         entries[:, 0] += staging_address
-        _scatter_loop(entries, page_rows, layout.page_size)
+        scatter_loop(entries, page_rows, layout.page_size)
         return
     from gpu_planner.kernels.head_scatter import launch_scatter_head_slices
 
@@ -360,27 +359,6 @@ def _copy_table(layout: HeadSliceLayout, on_device: np.ndarray) -> np.ndarray:
     )
 
 
-@compiled
-def _scatter_loop(entries, pages, page_size):
-    """Copy each token's slice; `entries` as the kernel's, with absolute staged bases.
-
-    `pages` [2, num_pages]: the host-space, then the device-space pages.
-    """
-    pending = np.zeros(3, dtype=np.int64)
-    for entry in range(entries.shape[0]):
-        src_base, src_page_len, src_token_len = entries[entry, :3]
-        dst_base, dst_page_len, dst_token_len, slice_len, space = entries[entry, 3:]
-        space_pages = pages[space]
-        for position in range(pages.shape[1]):
-            copy_page_slices(
-                pending,
-                dst_base + space_pages[position] * dst_page_len,
-                src_base + position * src_page_len,
-                page_size, dst_token_len, src_token_len, slice_len,
-            )  # fmt: skip
-    finish_copies(pending)
-
-
 def compile_kernels() -> None:
     """Compile the CPU loop now (or load it from Numba's cache), so no receive waits for it."""
-    _scatter_loop(np.zeros((1, 8), dtype=np.int64), np.zeros((2, 0), dtype=np.int64), 1)
+    scatter_loop(np.zeros((1, 8), dtype=np.int64), np.zeros((2, 0), dtype=np.int64), 1)

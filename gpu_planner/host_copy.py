@@ -9,20 +9,21 @@ run, whole pages into consecutive staged pages), they are joined into one.
 The bytes written are the same: copies are only ever joined, never reordered,
 and no copy reads what another writes (the callers check their regions apart).
 
-Numba caches a compiled loop by its own file: after editing this module,
-clear `__pycache__` of its callers (`head_gather`, `head_scatter`) or they
-keep the copies compiled before.
+The gather's and the scatter's loops live here too: Numba caches a compiled
+function by its own file, and a loop cached in another file would keep the
+copies compiled into it before an edit here.
 """
 
 from __future__ import annotations
 
+import numpy as np
 from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
 from gpu_planner.jit import compiled
 
-__all__ = ["copy_page_slices", "finish_copies"]
+__all__ = ["copy_page_slices", "finish_copies", "gather_loop", "scatter_loop"]
 
 
 @intrinsic
@@ -71,3 +72,43 @@ def finish_copies(pending):
     if pending[2]:
         _copy_bytes(pending[0], pending[1], pending[2])
         pending[2] = 0
+
+
+@compiled
+def gather_loop(entries, pages, page_size):
+    """The CPU gather (`head_gather`): each token's slice of source page `pages[i]` into staged
+    page `i`; `entries` as the kernel's, with absolute staged bases."""
+    pending = np.zeros(3, dtype=np.int64)
+    for entry in range(entries.shape[0]):
+        src_base, src_page_len, src_token_len = entries[entry, :3]
+        dst_base, dst_page_len, dst_token_len, slice_len = entries[entry, 3:]
+        for position in range(pages.shape[0]):
+            copy_page_slices(
+                pending,
+                dst_base + position * dst_page_len,
+                src_base + pages[position] * src_page_len,
+                page_size, dst_token_len, src_token_len, slice_len,
+            )  # fmt: skip
+    finish_copies(pending)
+
+
+@compiled
+def scatter_loop(entries, pages, page_size):
+    """The CPU scatter (`head_scatter`): staged page `i` into destination page `pages[space, i]`;
+    `entries` as the kernel's, with absolute staged bases.
+
+    `pages` [2, num_pages]: the host-space, then the device-space pages.
+    """
+    pending = np.zeros(3, dtype=np.int64)
+    for entry in range(entries.shape[0]):
+        src_base, src_page_len, src_token_len = entries[entry, :3]
+        dst_base, dst_page_len, dst_token_len, slice_len, space = entries[entry, 3:]
+        space_pages = pages[space]
+        for position in range(pages.shape[1]):
+            copy_page_slices(
+                pending,
+                dst_base + space_pages[position] * dst_page_len,
+                src_base + position * src_page_len,
+                page_size, dst_token_len, src_token_len, slice_len,
+            )  # fmt: skip
+    finish_copies(pending)
