@@ -38,7 +38,8 @@ Per variant: wall time (`bench.harness`), GIL holds and waits (`bench.gil`,
 through `bench.send_path.measure_sends`), descriptors and bytes handed to
 Mooncake (the plugin's counters; sglang's: its runs); `staged_with_scatter_s`
 (the staged send's median plus the scatter's), `chosen_with_scatter_s` (the
-median of the chosen sends, each with the scatter's median where it staged)
+median of the chosen sends, each with the scatter's median where it staged;
+`chosen_with_scatter_p10_p90_s` their 10th and 90th percentiles)
 and the ratios to them; the
 `_paired` ratios are medians of per-round ratios (`harness.paired_ratio`: two
 variants timed in one round ran one right after the other), steadier than the
@@ -541,7 +542,8 @@ def measure(
         (index, seconds + (scatter_s if path == STAGED else 0.0))
         for (index, seconds), path in zip(figures["chosen"]["rounds"], timed_paths, strict=True)
     ]
-    chosen_with_scatter = float(np.median([seconds for _, seconds in chosen_rounds]))
+    chosen_samples = [seconds for _, seconds in chosen_rounds]
+    chosen_with_scatter = float(np.median(chosen_samples))
     hook_s, sglang_s = figures["hook"]["median"], figures["sglang"]["median"]
     fastest_s = min(hook_s, with_scatter)
     result: dict[str, Any] = {
@@ -560,6 +562,10 @@ def measure(
         "scatter_s": scatter_s,
         "staged_with_scatter_s": with_scatter,
         "chosen_with_scatter_s": chosen_with_scatter,
+        "chosen_with_scatter_p10_p90_s": [
+            float(np.percentile(chosen_samples, 10)),
+            float(np.percentile(chosen_samples, 90)),
+        ],
         "model": {  # the chosen variant's figures for this peer once the run ended
             "direct_s": model.direct_s(counts["hook"]["descriptors"], counts["hook"]["bytes"]),
             "staged_s": model.staged_s(len(bench.scatter.note.chunks), counts["hook"]["bytes"]),

@@ -119,15 +119,18 @@ def write_plot(path: Path, results: Sequence[dict[str, Any]]) -> None:
         if result["buffers"] != SWEEP_BUFFERS:
             continue
         figures, scatter_s = result["figures"], result["scatter_s"]
-        chosen_scatter = scatter_s if result["chosen_path"] == staged_send.STAGED else 0.0
         points = {
             "sglang": _timing(figures["sglang"]["median"], figures["sglang"]),
             "direct (hook)": _timing(figures["hook"]["median"], figures["hook"]),
             "staged + scatter": _timing(
                 result["staged_with_scatter_s"], figures["staged"], scatter_s
             ),
-            f"chosen, {result['chosen_path']}": _timing(
-                result["chosen_with_scatter_s"], figures["chosen"], chosen_scatter
+            f"chosen, {result['chosen_path']}": dict(  # its sends with the scatter where staged
+                zip(
+                    ("median", "p10", "p90"),
+                    (result["chosen_with_scatter_s"], *result["chosen_with_scatter_p10_p90_s"]),
+                    strict=True,
+                )
             ),
         }
         title = f"{result['mean_descriptor_bytes'] / 1024:g} KiB per descriptor"

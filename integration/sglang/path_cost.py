@@ -74,8 +74,10 @@ learned) is priced from seeds measured on another machine or day, which can be
 several times off: the same loopback link moved a 32-descriptor send in 2.6 ms
 one day and in 0.6 ms two days later, and seeds that price its requests at 40 us
 kept sends of 128 x 16 KiB staged at 3.3 ms where direct took 2.8, never probed
-(1.8x apart by the seeds). So a young path is also probed when priced at most
-`YOUNG_MAX_LOSS` (2x) slower and not taken in the last `YOUNG_PROBE_EVERY` (2)
+(1.8x apart by the seeds; on a faster day, with the decode's scatter measured
+again, 2.56x apart: staged at 2.56 ms where direct took 2.17). So a young path
+is also probed when priced at most `YOUNG_MAX_LOSS` (200%: 3x) slower and not
+taken in the last `YOUNG_PROBE_EVERY` (2)
 choices, at most `YOUNG_PROBES` (4) times per path and peer: a bounded cost,
 paid once per peer, after which its own sends price it (two learned ones
 corrected the example above). A path priced slower is never shut out for good:
@@ -89,7 +91,7 @@ chosen, up to `STALE_STEPS` (4) of them (100%). A path priced 50% slower is
 probed once per 128 choices, 100% slower once per 256: at most 0.4% of the
 sends' time, and the figures of both paths can always be corrected. A probe's
 send that comes in at least `PROBE_MAX_LOSS` under its price is followed by
-another probe at the next choice (where priced at most 2x slower), up to
+another probe at the next choice (where priced at most 3x slower), up to
 `FOLLOW_UPS` (4) in a row: each such send pulls the robust fit a little (an
 observation 2x off its price weighs a quarter), so a price several sends had
 set wrong takes a few probes to correct, and the evidence says that path is
@@ -151,7 +153,7 @@ FOLLOW_UPS = 4  # probes in a row, at most, of a path whose probes came in under
 YOUNG_SENDS = 3  # learned sends of a path after which it is no longer young
 YOUNG_PROBES = 4  # young probes of a path per peer, at most
 YOUNG_PROBE_EVERY = 2  # choices since the path was last taken before a young probe
-YOUNG_MAX_LOSS = 1.0  # a young probe's path is priced at most this much slower
+YOUNG_MAX_LOSS = 2.0  # a young probe's path is priced at most this much slower
 # Past a path's first HALF_LIFE learned sends at a peer, its sends are learned from once per
 # this much of their time (a probe's always): learning one costs about 25 us after a transfer
 # left the caches cold, so the model takes at most about 1% of the time of the sends it prices.

@@ -65,6 +65,9 @@ def test_the_chosen_send_stages_where_the_model_prices_staging_faster(monkeypatc
     assert figures["chosen"]["descriptors"] == 1
     expected = figures["chosen"]["median"] + result["scatter_s"]  # every timed send staged
     assert result["chosen_with_scatter_s"] == pytest.approx(expected)
+    low, high = result["chosen_with_scatter_p10_p90_s"]  # the same sends' spread, scatter added
+    assert low == pytest.approx(figures["chosen"]["p10"] + result["scatter_s"])
+    assert high == pytest.approx(figures["chosen"]["p90"] + result["scatter_s"])
 
 
 def test_the_staged_tp_down_slice_send_writes_one_share_of_each_slot_in_fewer_descriptors(

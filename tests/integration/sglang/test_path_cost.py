@@ -217,8 +217,11 @@ def test_a_probe_takes_the_dearer_path_once_per_interval_within_the_loss_bound()
     assert [choice.reason for choice in paths if choice.path == STAGED] == [
         f"probe: staged, young, priced slower by at most {YOUNG_MAX_LOSS:.0%}"
     ] * YOUNG_PROBES + [f"probe: staged priced slower by at most {2 * PROBE_MAX_LOSS:.0%}"] * 3
-    beyond = PathCosts(figures, probe_interval=4)  # 2.1x dearer: past every bound, never probed
-    assert {beyond.choose("peer", 10, 0, 21).path for _ in range(200)} == {DIRECT}
+    beyond = PathCosts(figures, probe_interval=4)  # 3.1x dearer: past every bound, never probed
+    assert {beyond.choose("peer", 10, 0, 31).path for _ in range(200)} == {DIRECT}
+    young_only = PathCosts(figures, probe_interval=4)  # 2.1x: past the stale bound, young-probed
+    paths = [young_only.choose("peer", 10, 0, 21).path for _ in range(200)]
+    assert paths[: len(young)] == young and set(paths[len(young) :]) == {DIRECT}
     twice = PathCosts(figures, probe_interval=4)  # 2x dearer: once per STALE_STEPS intervals
     paths = [twice.choose("peer", 10, 0, 20).path for _ in range(len(young) + 3 * 17)]
     assert paths[len(young) :] == ([DIRECT] * (4 * STALE_STEPS) + [STAGED]) * 3
