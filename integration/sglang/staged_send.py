@@ -393,10 +393,13 @@ def send_staged(
         the send goes as planned (`decide`'s reason counted where the decode
         had offered staging).
     """
+    # What staging adds to a send, as the model prices it: the choice and the request's
+    # line-up, the gathers and engine calls, the note (a direct send's observation is its
+    # engine calls: the choice, paid either way, is charged to staging, never to sglang's path).
+    started = time.perf_counter()
     write = decide(manager, session, src_pages, dst_pages, entries, descriptors)
     if not isinstance(write, StagedWrite):
         return None if write is None else _not_staged(write)
-    started = time.perf_counter()  # from the choice on: what the model prices either way
     staging, chunks, route = write.staging, write.chunks, write.route
     first_slot = staging.try_take()
     if first_slot is None:
@@ -432,7 +435,6 @@ def send_staged(
             )
             lease.write(slot, executor, engine_handoff, session, ready, columns)
         status = manager._await_transfer_futures(futures)  # slots of ended calls back on return
-    _observe(session, STAGED, len(chunks), write.nbytes, time.perf_counter() - started, status)
     if status != 0:
         return status  # no note: the decode scatters nothing of this send
     staged = Staged(
@@ -448,6 +450,7 @@ def send_staged(
         ),
     )
     _notify(manager, route, staged)
+    _observe(session, STAGED, len(chunks), write.nbytes, time.perf_counter() - started, status)
     with _lock:
         route.staged_notes += 1
     return 0

@@ -8,9 +8,12 @@ descriptors. No timing is asserted: speed is what the benchmarks report.
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from bench import gathered_slice, staged_send
+from bench.live_submit import live_peer
 
 
 def test_the_staged_generic_send_lands_the_same_bytes_in_fewer_descriptors():
@@ -127,3 +130,47 @@ def test_the_chosen_sends_timed_are_the_choices_before_the_watched_ones():
     assert staged_send._timed_paths(history, 3) == ["staged", "direct", "staged"]
     with pytest.raises(RuntimeError, match="choices for 40 timed"):
         staged_send._timed_paths(history, 40)
+
+
+def test_what_the_model_learns_of_a_staged_send_includes_its_note():
+    """A staged send's observation runs from the choice to its note (everything staging adds
+    to the send): a note that takes 50 ms is in it."""
+    from gpu_planner.integration.mooncake.engine import (
+        QUIET_ENV,
+        TCP_ONLY_ENV,
+        set_mooncake_defaults,
+    )
+    from gpu_planner.integration.sglang import path_cost
+    from gpu_planner.integration.sglang import staged_send as plugin_staged_send
+
+    class Recording(path_cost.PathCosts):
+        def observe(self, peer, path, requests, nbytes, seconds, ok=True):
+            observed.append((path, seconds))
+            return super().observe(peer, path, requests, nbytes, seconds, ok)
+
+    observed: list[tuple[str, float]] = []
+    set_mooncake_defaults(QUIET_ENV, TCP_ONLY_ENV)
+    pages, buffers = 8, 3
+    pool_pages = pages + staged_send.SPARE_PAGES
+    peer_bytes = buffers * (pool_pages + pages) * staged_send.ITEM_LEN
+    with staged_send.plugin_defaults(), live_peer(peer_bytes) as peer:
+        bench = staged_send.StagedSendBench(pages, buffers, peer)
+        keep_note = bench.manager._send_multipart_locked
+
+        def slow_note(*args, **kwargs):
+            time.sleep(0.05)
+            return keep_note(*args, **kwargs)
+
+        bench.manager._send_multipart_locked = slow_note
+        costs = Recording(path_cost.Figures.seeded(), gate=staged_send.STAGE_EVERY_SEND)
+        try:
+            with (
+                staged_send.offered(bench.session, bench.offer.capability),
+                path_cost.deciding(costs),
+            ):
+                for _ in range(2):  # a peer's first staged send is not learned; both observed
+                    assert bench._send(bench._hooked, bench.staged_dst_pages) == 0
+        finally:
+            plugin_staged_send.forget_peers()
+    assert [path for path, _ in observed] == ["staged", "staged"]
+    assert all(seconds >= 0.05 for _, seconds in observed)
