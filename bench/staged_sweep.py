@@ -125,13 +125,11 @@ def write_plot(path: Path, results: Sequence[dict[str, Any]]) -> None:
             "staged + scatter": _timing(
                 result["staged_with_scatter_s"], figures["staged"], scatter_s
             ),
-            f"chosen, {result['chosen_path']}": dict(  # its sends with the scatter where staged
-                zip(
-                    ("median", "p10", "p90"),
-                    (result["chosen_with_scatter_s"], *result["chosen_with_scatter_p10_p90_s"]),
-                    strict=True,
-                )
-            ),
+            f"chosen, {result['chosen_path']}": {  # its sends, with the scatter where staged
+                "median": result["chosen_with_scatter_s"],
+                "p10": result["chosen_with_scatter_p10_p90_s"][0],
+                "p90": result["chosen_with_scatter_p10_p90_s"][1],
+            },
         }
         title = f"{result['mean_descriptor_bytes'] / 1024:g} KiB per descriptor"
         panel = panels.setdefault(title, {})

@@ -1,8 +1,9 @@
 """Host byte copies for the CPU gather and scatter loops, joined where they continue each other.
 
 A head-sliced gather or scatter copies one slice per token: at page size 16
-and 64-byte tokens (MLA's 1 KiB pages) a 4 MB send is 62,000 `memcpy` calls,
-~0.8 ms of call overhead on a CPU that copies the bytes in a tenth of that.
+and 64-byte tokens (MLA's 1 KiB pages) a 4 MB send is 62,464 `memcpy` calls
+of 64 bytes (the gather loop 0.42 ms hot on the 2-core CPU, 0.29 ms joined,
+where a plain copy of the same bytes takes 0.27).
 Where a slice is the whole token on both sides, a page is one copy; where
 consecutive copies continue each other on both sides (consecutive pages of a
 run, whole pages into consecutive staged pages), they are joined into one.
