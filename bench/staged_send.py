@@ -404,26 +404,31 @@ class StagedSendBench:
 
         self.scatter.note = Staged.from_frames(frames)
 
-    def _send(self, send: Callable, dst_pages: np.ndarray) -> int:
-        return send(
-            self.manager, self.session, self.src_ptrs, self.dst_ptrs, self.item_lens,
-            self.src_pages, dst_pages, self.executor,
-        )  # fmt: skip
+    def _send(
+        self, send: Callable, dst_pages: np.ndarray, capability: Any, costs: PathCosts
+    ) -> int:
+        """One variant's send, in the same scaffolding as every other's (what the decode
+        offered, the model that decides): its Python costs the same in each, none of it in
+        the comparison."""
+        with offered(self.session, capability), deciding(costs):
+            return send(
+                self.manager, self.session, self.src_ptrs, self.dst_ptrs, self.item_lens,
+                self.src_pages, dst_pages, self.executor,
+            )  # fmt: skip
 
     def send_sglang(self) -> int:
-        return self._send(self._original, self.dst_pages)
+        return self._send(self._original, self.dst_pages, None, self.chosen_costs)
 
     def send_hook(self) -> int:
-        with offered(self.session, None):
-            return self._send(self._hooked, self.dst_pages)
+        return self._send(self._hooked, self.dst_pages, None, self.chosen_costs)
 
     def send_staged(self) -> int:
-        with offered(self.session, self.offer.capability), deciding(self.stage_every_send):
-            return self._send(self._hooked, self.staged_dst_pages)
+        capability = self.offer.capability
+        return self._send(self._hooked, self.staged_dst_pages, capability, self.stage_every_send)
 
     def send_chosen(self) -> int:
-        with offered(self.session, self.offer.capability), deciding(self.chosen_costs):
-            return self._send(self._hooked, self.staged_dst_pages)
+        capability = self.offer.capability
+        return self._send(self._hooked, self.staged_dst_pages, capability, self.chosen_costs)
 
     def variants(self) -> dict[str, Callable[[], int]]:
         return {

@@ -34,12 +34,19 @@ bytes' seed is link and gather in series: 1.14 GB/s, 1.09 measured at
 seeds as its prior: per path, exponentially weighted sums of the send's
 features (each term's share of the seeded price) and times, halving every
 `HALF_LIFE` observations of that path. The fit is on relative error, and an
-observation off its price by a factor q weighs 1/q^2 of an ordinary one, so
-one send's pull on a figure falls as 1/q the further off it is (a stall, a
-sample of a bimodal wire: a 270 ms one-page send on a loaded 2-core machine,
-weighed 1/q, once moved a peer's one-page direct price from 1.4 to 13.8 ms),
-while a lasting change of a few times is learned within tens of sends (each
-pulls less at first, more as the figures come near it).
+observation slower than its price by a factor q weighs 1/q^2 of an ordinary
+one, so one send's pull on a figure falls as 1/q the further over it is (a
+stall, a sample of a bimodal wire: a 270 ms one-page send on a loaded 2-core
+machine, weighed 1/q, once moved a peer's one-page direct price from 1.4 to
+13.8 ms), while a lasting change of a few times is learned within tens of
+sends (each pulls less at first, more as the figures come near it). One faster
+than its price weighs fully: noise only adds time, so a fast send says the
+price is high, and its pull is bounded anyway (its relative error is under 1).
+Weighed 1/q^2 too, a path whose first learned sends were stalls stayed priced
+at them: on a busy machine a peer's direct sends of 32 descriptors, 5.2 and
+4.2 ms among their first, kept direct priced at 3.2 ms while its probes took
+about 1 ms (each weighed 1/12), 4x the staged price, past any probe's bound,
+and 426 of 432 sends went staged at 1.2x the direct send's time.
 The solved figures are clamped to physical ranges. A choice solves the fit
 again after every observation for a peer's first `HALF_LIFE` sends, then once
 per `SOLVE_EVERY` observations (the figures move by a few percent per 8
@@ -65,7 +72,7 @@ no randomness. Equal prices go direct. To keep the figures of the path it does
 not choose current, a peer's send takes the path priced slower when that path
 was not taken in its last `GPU_PLANNER_COST_PROBE_INTERVAL` (64) choices and is
 priced at most `PROBE_MAX_LOSS` (25%) slower: at most one send in 64 per peer,
-each at most 25% slower by the model (up to 100% for a path left untaken
+each at most 25% slower by the model (up to 400% for a path left untaken
 longer, more rarely: below), and only near the crossover, where the figures
 matter. Far from it (a 32-descriptor send, 5x cheaper direct) no probe
 happens: the linear model carries what larger sends taught it there. A path
@@ -76,28 +83,29 @@ one day and in 0.6 ms two days later, and seeds that price its requests at 40 us
 kept sends of 128 x 16 KiB staged at 3.3 ms where direct took 2.8, never probed
 (1.8x apart by the seeds; on a faster day, with the decode's scatter measured
 again, 2.56x apart: staged at 2.56 ms where direct took 2.17). So a young path
-is also probed when priced at most `YOUNG_MAX_LOSS` (200%: 3x) slower and not
+is also probed when priced at most `YOUNG_MAX_LOSS` (400%: 5x) slower and not
 taken in the last `YOUNG_PROBE_EVERY` (2)
 choices, at most `YOUNG_PROBES` (4) times per path and peer: a bounded cost,
 paid once per peer, after which its own sends price it (two learned ones
-corrected the example above). A path priced slower is never shut out for good:
+corrected the example above; at 3x, stalls among a busy machine's first direct
+sends of 32 descriptors priced direct 3.6x over staging and it was never probed:
+426 of 432 sends went staged at 1.2x the direct send's time). A path priced
+slower is not shut out for good:
 a few early sends that ran cold (a fresh connection, a process still warming up)
 can leave it priced 30-80% over what it takes, past the ordinary bound, while the
 other path's own sends keep that one right (in one sweep: 32 x 64 KiB, direct
 priced 3.5 ms from 3 learned sends, taking 1.9, staged taking 2.9 with its
 scatter, chosen at every send). So the bound grows the longer the path goes
 untaken: `PROBE_MAX_LOSS` times the whole probe intervals since it was last
-chosen, up to `STALE_STEPS` (4) of them (100%). A path priced 50% slower is
-probed once per 128 choices, 100% slower once per 256: at most 0.4% of the
-sends' time, and the figures of both paths can always be corrected. A probe's
+chosen, up to `STALE_STEPS` (16) of them (400%, the young bound). A path
+priced 50% slower is probed once per 128 choices, 100% slower once per 256,
+4x slower once per 768: at most 0.4% of the sends' time by the model, and the
+figures of a path priced up to 5x slower can always be corrected. A probe's
 send that comes in at least `PROBE_MAX_LOSS` under its price is followed by
-another probe at the next choice (where priced at most 3x slower), up to
-`FOLLOW_UPS` (4) in a row: each such send pulls the robust fit a little (an
-observation 2x off its price weighs a quarter), so a price several sends had
-set wrong takes a few probes to correct, and the evidence says that path is
-the faster one (a simulation of the sweep's case, direct's first learned sends
-1.85-2.5x their time: back on direct after 64-200 sends, against 200-600 with
-the interval's probes alone).
+another probe at the next choice (where priced at most 5x slower), up to
+`FOLLOW_UPS` (4) in a row: each such send pulls the fit (a send under its
+price weighs fully), so a price several sends had set wrong is corrected in a
+few probes, and the evidence says that path is the faster one.
 
 **Overrides.** When `GPU_PLANNER_STAGING_MIN_DESCRIPTORS` or
 `GPU_PLANNER_STAGING_MAX_MEAN_BYTES` is set in the environment (`settings.explicit`),
@@ -118,10 +126,13 @@ The staged send calls `choose` once per send whose buffers it could stage (the
 decode offered staging; whether the request lines up is looked up only for a
 send priced faster staged) and `observe` when a send to that peer
 completed, either path, with what it handed Mooncake (descriptors, or the
-staged send's pieces), its bytes and its wall time on the prefill. A send priced
-so far below staging that no probe could take it (most small sends) is chosen
-without the lock, from the peer's last solved figures: the same choice, with no
-wait on the transfer threads that send to other peers.
+staged send's pieces), its bytes and its wall time on the prefill. A send that
+no probe takes, with no solve due (all but a few in a hundred once a peer's
+paths are learned), is chosen without the lock, from the peer's last solved
+figures, and a send not learned from is kept without it: the same choice and
+figures, no wait on the transfer threads that send to other peers, and about
+10 us less Python per send after a transfer left the caches cold (the choice
+and the observation were 7 and 6 us of a 0.55 ms send at 32 descriptors).
 """
 
 from __future__ import annotations
@@ -140,20 +151,21 @@ from gpu_planner.integration.sglang import counters
 DIRECT = "direct"
 STAGED = "staged"
 PATHS = (DIRECT, STAGED)
+_DIRECT_INDEX, _STAGED_INDEX = PATHS.index(DIRECT), PATHS.index(STAGED)
 
 MAX_PEERS = 256  # peers whose figures are kept (least recently used dropped)
 HALF_LIFE = 32  # observations of one path to one peer after which a send weighs half
 SOLVE_EVERY = 8  # past a peer's first HALF_LIFE sends, its choices solve once per 8 observations
 # (and its observations are folded into the sums 8 at a time, or at a solve)
 PROBE_MAX_LOSS = 0.25  # a probe's path is priced at most this much slower than the other,
-STALE_STEPS = 4  # times the whole probe intervals since it was last taken, up to this many
+STALE_STEPS = 16  # times the whole probe intervals since it was last taken, up to this many
 FOLLOW_UPS = 4  # probes in a row, at most, of a path whose probes came in under their price
 # While a path has few of its own sends learned at a peer (seeds measured elsewhere can be
 # several times off), a probe may take it sooner and further from the crossover, a few times:
 YOUNG_SENDS = 3  # learned sends of a path after which it is no longer young
 YOUNG_PROBES = 4  # young probes of a path per peer, at most
 YOUNG_PROBE_EVERY = 2  # choices since the path was last taken before a young probe
-YOUNG_MAX_LOSS = 2.0  # a young probe's path is priced at most this much slower
+YOUNG_MAX_LOSS = 4.0  # a young probe's path is priced at most this much slower
 # Past a path's first HALF_LIFE learned sends at a peer, its sends are learned from once per
 # this much of their time (a probe's always): learning one costs about 25 us after a transfer
 # left the caches cold, so the model takes at most about 1% of the time of the sends it prices.
@@ -418,9 +430,11 @@ class PathCosts:
         override gate, the gate's. The caller counts the path the send takes
         (`counters.record_path_choice`: a staged choice may still go direct).
         """
-        quick = self._clearly_direct(peer, descriptors, nbytes, staged_pieces)
-        if quick is not None:
-            return quick
+        state = self._peers.get(peer)  # a dict read: atomic; a peer not kept takes the lock
+        if state is not None and self.gate is None and state.unsolved < _solve_every(state):
+            quick = self._unprobed(state, descriptors, nbytes, staged_pieces)
+            if quick is not None:
+                return quick
         with self._lock:
             state = self._peer(peer)
             figures = self._figures(state, _solve_every(state))
@@ -433,73 +447,81 @@ class PathCosts:
                 path, reason = self._by_price(state, direct_s, staged_s)
         return Choice(path, direct_s, staged_s, reason)
 
-    def _clearly_direct(
-        self, peer: str, descriptors: int, nbytes: int, staged_pieces: int
+    def _unprobed(
+        self, state: _Peer, descriptors: int, nbytes: int, staged_pieces: int
     ) -> Choice | None:
-        """`choose`'s answer, without its lock, for a send priced so far below staging that no
-        probe could take it (most small sends); None: ask `choose` (no figures to solve first).
+        """`choose`'s answer, without its lock, for a send no probe takes (all but about one
+        in `probe_interval` once a peer's paths are learned); None: ask under the lock.
 
         The same choice as under the lock: the figures are the peer's last
-        solved ones (one attribute read), and the probe clocks move as there
-        (a concurrent choice may lose one tick: a probe one send later).
-        The peer's recency is kept by `observe`, which every completed send calls.
+        solved ones (one attribute read; the caller checked that none are due),
+        and the probe clocks move as there (a concurrent choice may lose one
+        tick: a probe one send later). The peer's recency is kept by its
+        choices under the lock and its learned sends.
         """
-        state = self._peers.get(peer)  # a dict read: atomic; a peer not kept takes the lock
-        if state is None or self.gate is not None or state.unsolved >= _solve_every(state):
-            return None
         figures = state.figures
         direct_s = figures.direct_s(descriptors, nbytes)
         staged_s = figures.staged_s(staged_pieces, nbytes)
-        young_loss = YOUNG_MAX_LOSS if _young(state, 1) or state.follow_up[1] else 0.0
-        if staged_s <= direct_s * (1 + max(young_loss, self._probe_loss(state, 1), PROBE_MAX_LOSS)):
+        if self._probe(state, direct_s, staged_s) is not None:
             return None
-        self._taken(state, DIRECT)
+        if staged_s < direct_s:
+            self._taken(state, _STAGED_INDEX)
+            return Choice(STAGED, direct_s, staged_s, PRICED_FASTER)
+        self._taken(state, _DIRECT_INDEX)
         return Choice(DIRECT, direct_s, staged_s, PRICED_SLOWER)
 
     def _by_price(self, state: _Peer, direct_s: float, staged_s: float) -> tuple[str, str]:
-        cheaper, dearer = (STAGED, DIRECT) if staged_s < direct_s else (DIRECT, STAGED)
-        path, reason = cheaper, (PRICED_FASTER if cheaper == STAGED else PRICED_SLOWER)
-        interval = self.probe_interval
-        low, high = sorted((direct_s, staged_s))
-        dearer_index = PATHS.index(dearer)
-        since = state.since[dearer_index]
-        loss = self._probe_loss(state, dearer_index)
-        if loss and high <= low * (1 + loss):
-            path = dearer
-            reason = f"probe: {dearer} priced slower by at most {loss:.0%}"
-        elif interval and state.follow_up[dearer_index] and high <= low * (1 + YOUNG_MAX_LOSS):
-            path = dearer
-            reason = (
-                f"probe: {dearer}, came in under its price, priced slower by at most "
-                f"{YOUNG_MAX_LOSS:.0%}"
-            )
-        elif (
-            interval
-            and _young(state, dearer_index)
-            and since >= min(interval, YOUNG_PROBE_EVERY)
-            and high <= low * (1 + YOUNG_MAX_LOSS)
-        ):
-            path = dearer
-            reason = f"probe: {dearer}, young, priced slower by at most {YOUNG_MAX_LOSS:.0%}"
-            state.young_probes[dearer_index] += 1
-        if path == dearer:
-            state.probed[dearer_index] = True
-        self._taken(state, path)
-        return path, reason
+        """The cheaper path, or a probe's (`_probe`); moves the probe clocks (under the lock)."""
+        probe = self._probe(state, direct_s, staged_s)
+        if probe is None:
+            index = _STAGED_INDEX if staged_s < direct_s else _DIRECT_INDEX
+            reason = PRICED_FASTER if index == _STAGED_INDEX else PRICED_SLOWER
+        else:
+            index, reason, young = probe
+            state.young_probes[index] += young
+            state.probed[index] = True
+        self._taken(state, index)
+        return PATHS[index], reason
 
-    def _probe_loss(self, state: _Peer, index: int) -> float:
-        """How much slower path `index` may be priced for a regular probe to take it now: 0
-        within its first probe interval untaken, else `PROBE_MAX_LOSS` per whole interval."""
-        interval = self.probe_interval
-        return PROBE_MAX_LOSS * (state.since[index] // interval) if interval else 0.0
+    def _probe(
+        self, state: _Peer, direct_s: float, staged_s: float
+    ) -> tuple[int, str, bool] | None:
+        """Whether a probe takes the path priced slower now: (its index, why, whether it is a
+        young path's probe); None: the cheaper path (direct on a tie). Reads the state only.
 
-    def _taken(self, state: _Peer, path: str) -> None:
-        """Move the probe clocks: `path` was chosen, the other is one choice further from it
-        (counted up to `STALE_STEPS` probe intervals)."""
-        most = self.probe_interval * STALE_STEPS
-        for index, name in enumerate(PATHS):
-            state.since[index] = 0 if name == path else min(state.since[index] + 1, most)
-        state.follow_up[PATHS.index(path)] = False  # taken: no follow-up pending
+        A regular probe's path may be priced `PROBE_MAX_LOSS` slower per whole
+        probe interval it went untaken (0 within its first); a follow-up's or a
+        young path's, `YOUNG_MAX_LOSS`.
+        """
+        interval = self.probe_interval
+        if not interval:
+            return None
+        if staged_s < direct_s:
+            dearer, low, high = _DIRECT_INDEX, staged_s, direct_s
+        else:
+            dearer, low, high = _STAGED_INDEX, direct_s, staged_s
+        since = state.since[dearer]
+        if since >= interval:
+            loss = PROBE_MAX_LOSS * (since // interval)
+            if high <= low * (1 + loss):
+                return dearer, f"probe: {PATHS[dearer]} priced slower by at most {loss:.0%}", False
+        if high > low * (1 + YOUNG_MAX_LOSS):
+            return None
+        if state.follow_up[dearer]:
+            reason = f"probe: {PATHS[dearer]}, came in under its price, priced slower by at most "
+            return dearer, f"{reason}{YOUNG_MAX_LOSS:.0%}", False
+        if since >= min(interval, YOUNG_PROBE_EVERY) and _young(state, dearer):
+            reason = f"probe: {PATHS[dearer]}, young, priced slower by at most {YOUNG_MAX_LOSS:.0%}"
+            return dearer, reason, True
+        return None
+
+    def _taken(self, state: _Peer, index: int) -> None:
+        """Move the probe clocks: path `index` was chosen, the other is one choice further from
+        it (counted up to `STALE_STEPS` probe intervals)."""
+        other = 1 - index
+        state.since[index] = 0
+        state.since[other] = min(state.since[other] + 1, self.probe_interval * STALE_STEPS)
+        state.follow_up[index] = False  # taken: no follow-up pending
 
     def observe(
         self, peer: str, path: str, requests: int, nbytes: int, seconds: float, ok: bool = True
@@ -518,6 +540,9 @@ class PathCosts:
         if not (ok and requests >= 1 and nbytes >= 0 and math.isfinite(seconds) and seconds > 0):
             return False
         index = PATHS.index(path)
+        state = self._peers.get(peer)  # a dict read: atomic
+        if state is not None and self._unlearned(state, index, seconds):
+            return False
         with self._lock:
             state = self._peer(peer)
             if not state.warm[index]:
@@ -525,10 +550,8 @@ class PathCosts:
                 state.warm[index] = True  # connection; staging has first-use costs of its own
                 if path == STAGED or not connected:
                     return False
-            if state.sends[index] >= HALF_LIFE and not state.probed[index]:
-                state.unlearned_s[index] += seconds
-                if state.unlearned_s[index] < LEARN_EVERY_S:
-                    return False
+            if self._unlearned(state, index, seconds):
+                return False
             state.unlearned_s[index] = 0.0
             predicted = state.figures.send_s(path, requests, nbytes)  # solved at the last choice
             predicted = max(predicted, 1e-12)
@@ -548,19 +571,36 @@ class PathCosts:
         counters.record_path_time(path, predicted, seconds)
         return True
 
+    def _unlearned(self, state: _Peer, index: int, seconds: float) -> bool:
+        """Whether a send of path `index` is not learned from: past the path's first
+        `HALF_LIFE` learned sends, not a probe's, and its sends since the last learned one
+        (kept here) short of `LEARN_EVERY_S`. False changes nothing: the send is learned from.
+
+        `observe` asks first without the lock (most sends end there); a
+        concurrent send may lose the other's time: the path is learned from
+        one send later.
+        """
+        if not state.warm[index] or state.sends[index] < HALF_LIFE or state.probed[index]:
+            return False
+        unlearned_s = state.unlearned_s[index] + seconds
+        if unlearned_s >= LEARN_EVERY_S:
+            return False
+        state.unlearned_s[index] = unlearned_s
+        return True
+
     def _fold(self, state: _Peer) -> None:
         """Add the pending observations to the sums, in order.
 
         Each observation's features are its terms' prices at the seeds' scale
         (the fit solves for figure / scale); it weighs 1 / (price^2 q^2 NOISE^2)
-        for a time off its price by a factor q, and every later observation of
+        for a time over its price by a factor q (q = 1 under it), and every later observation of
         its path decays it by `_DECAY`, on the 3 x 3 block of its path.
         """
         for index, requests, nbytes, seconds, predicted in state.pending:
             fixed, per_request, per_byte = self._path_scales[index]
             features = (fixed, per_request * requests, per_byte * nbytes)
             ratio = seconds / predicted
-            off = ratio if ratio >= 1.0 else 1.0 / ratio
+            off = max(ratio, 1.0)  # noise only adds time: a send under its price weighs fully
             weight = 1.0 / (predicted * predicted * off * off * NOISE * NOISE)
             moments, targets = state.moments[index], state.targets[index]
             for row, feature in enumerate(features):

@@ -27,7 +27,8 @@ from gpu_planner.integration.sglang.counters import record_send
 from gpu_planner.integration.sglang.entries import Entries, Entry, SendCall, transfer_entries
 from gpu_planner.integration.sglang.fallback import Fallback, current_send
 from gpu_planner.integration.sglang.layer_calls import submit_in_order
-from gpu_planner.integration.sglang.staged_send import StagedEntries, observe_direct, send_staged
+from gpu_planner.integration.sglang.path_cost import DIRECT
+from gpu_planner.integration.sglang.staged_send import StagedEntries, observe, send_staged
 
 # What the hook reads of `kv_args`: the registered buffers its bounds check uses.
 KV_FIELDS = ("kv_data_ptrs", "kv_data_lens")
@@ -74,8 +75,8 @@ def send_kvcache_generic_hook(manager: conn.MooncakeKVManager, *args, **kwargs) 
         plan.num_batches,
     )
     status = _send_direct(manager, call, plan, engine_handoff)
-    observe_direct(
-        call.mooncake_session_id, num_descriptors,
+    observe(
+        call.mooncake_session_id, DIRECT, num_descriptors,
         call.prefill_data_indices.size * buffers.page_bytes,
         time.perf_counter() - direct_started, status == 0,
     )  # fmt: skip

@@ -285,8 +285,9 @@ def decide(
     entries: StagedEntries | str,
     descriptors: int,
 ) -> StagedWrite | str | None:
-    """Whether a send goes staged: how, or why not (counted by the caller); None where the
-    decode offered no staging at all.
+    """Whether a send goes staged: how, or why not (counted by the caller as `not staged`);
+    None: it goes direct with nothing more to count (the decode offered no staging, or the
+    path's choice said direct, counted as that choice).
 
     The one place that decides, in three steps: what this prefill and the
     send's buffers allow (no request is looked up); what the send would cost
@@ -294,8 +295,9 @@ def decide(
     and, for a send priced faster staged, whether its request lines up for
     the decode's scatter (`_line_up`). A send priced slower staged (most
     small sends) goes direct without that look-up. Each priced send's path is
-    counted with its reason: direct where staging was priced slower or a
-    staged choice did not line up (under the line-up's reason).
+    counted with its reason (`paths_chosen`): direct where staging was priced
+    slower (or the gate or a probe said so), or a staged choice did not line up
+    (under the line-up's reason, which the caller also counts as `not staged`).
     """
     if session not in _peers or not src_pages.size:  # one dict read: atomic, no lock
         return None
@@ -317,7 +319,7 @@ def decide(
     choice = path_costs().choose(session, descriptors, nbytes, -(-num_pages // pages_per_slot))
     if not choice.staged:
         record_path_choice(DIRECT, choice.reason)
-        return choice.reason
+        return None
     lined_up = _line_up(manager, session, dst_pages, entries, num_pages)
     if isinstance(lined_up, str):
         record_path_choice(DIRECT, lined_up)
@@ -390,8 +392,8 @@ def send_staged(
 
     Returns:
         0 or the first failing engine status; None before any byte moved when
-        the send goes as planned (`decide`'s reason counted where the decode
-        had offered staging).
+        the send goes as planned (counted by `decide` as the path's choice, or
+        as `not staged: <why>` where something did not allow staging).
     """
     # What staging adds to a send, as the model prices it: the choice and the request's
     # line-up, the gathers and engine calls, the note (a direct send's observation is its
@@ -450,23 +452,19 @@ def send_staged(
         ),
     )
     _notify(manager, route, staged)
-    _observe(session, STAGED, len(chunks), write.nbytes, time.perf_counter() - started, status)
+    observe(session, STAGED, len(chunks), write.nbytes, time.perf_counter() - started, True)
     with _lock:
         route.staged_notes += 1
     return 0
 
 
-def observe_direct(session: str, descriptors: int, nbytes: int, seconds: float, ok: bool) -> None:
-    """A send to `session` went direct: its time teaches the cost model, where that decode
-    offers staging (the only peers it chooses for)."""
-    if session in _peers:  # one dict read: atomic, no lock
-        _observe(session, DIRECT, descriptors, nbytes, seconds, 0 if ok else -1)
-
-
-def _observe(session: str, path: str, requests: int, nbytes: int, seconds: float, status: int):
-    """Teach the cost model a send's time; never raises: the send's status stands."""
+def observe(session: str, path: str, requests: int, nbytes: int, seconds: float, ok: bool) -> None:
+    """A send to `session` took `path`: its time teaches the cost model, where that decode
+    offers staging (the only peers it chooses for). Never raises: the send's status stands."""
+    if session not in _peers:  # one dict read: atomic, no lock
+        return
     try:
-        path_costs().observe(session, path, requests, nbytes, seconds, ok=status == 0)
+        path_costs().observe(session, path, requests, nbytes, seconds, ok)
     except Exception as error:
         log_fallback_once(f"the cost model did not take a send ({error})", key="cost model")
 

@@ -164,12 +164,9 @@ def test_what_the_model_learns_of_a_staged_send_includes_its_note():
         bench.manager._send_multipart_locked = slow_note
         costs = Recording(path_cost.Figures.seeded(), gate=staged_send.STAGE_EVERY_SEND)
         try:
-            with (
-                staged_send.offered(bench.session, bench.offer.capability),
-                path_cost.deciding(costs),
-            ):
-                for _ in range(2):  # a peer's first staged send is not learned; both observed
-                    assert bench._send(bench._hooked, bench.staged_dst_pages) == 0
+            for _ in range(2):  # a peer's first staged send is not learned; both observed
+                send = (bench._hooked, bench.staged_dst_pages, bench.offer.capability, costs)
+                assert bench._send(*send) == 0
         finally:
             plugin_staged_send.forget_peers()
     assert [path for path, _ in observed] == ["staged", "staged"]
