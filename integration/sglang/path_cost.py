@@ -162,7 +162,8 @@ STALE_STEPS = 16  # times the whole probe intervals since it was last taken, up 
 FOLLOW_UPS = 4  # probes in a row, at most, of a path whose probes came in under their price
 # While a path has few of its own sends learned at a peer (seeds measured elsewhere can be
 # several times off), a probe may take it sooner and further from the crossover, a few times:
-YOUNG_SENDS = 3  # learned sends of a path after which it is no longer young
+YOUNG_SENDS = 5  # learned sends of a path after which it is no longer young (one stall
+# among three, 4x its time, kept direct priced 2x over its time at 32 x 1 KiB for 190 sends)
 YOUNG_PROBES = 4  # young probes of a path per peer, at most
 YOUNG_PROBE_EVERY = 2  # choices since the path was last taken before a young probe
 YOUNG_MAX_LOSS = 4.0  # a young probe's path is priced at most this much slower

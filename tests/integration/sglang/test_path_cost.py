@@ -235,17 +235,25 @@ def test_a_probe_takes_the_dearer_path_once_per_interval_within_the_loss_bound()
 
 def test_a_path_is_young_until_a_few_of_its_sends_are_learned():
     """Probed young while fewer than YOUNG_SENDS of its sends were learned (its first, which
-    pays one-time costs, not among them); then only within the ordinary loss bound."""
+    pays one-time costs, not among them) and fewer than YOUNG_PROBES young probes were made;
+    then only within the ordinary loss bound."""
     figures = dataclasses.replace(EXACT, staged_fixed_s=0.0, request_s=REQUEST)
-    costs = PathCosts(figures, probe_interval=64)
-    probes = 0
-    for _ in range(120):  # staged 30% dearer (probed again only after 2 intervals); each
-        # probe's send is learned at its price
-        choice = costs.choose("peer", 10, 0, 13)
-        if choice.path == STAGED:
-            probes += 1
-            costs.observe("peer", STAGED, 13, 0, choice.staged_s)
-    assert probes == YOUNG_SENDS + 1  # the first send of a path is not learned from
+
+    def young_probes(costs: PathCosts) -> int:
+        probes = 0
+        for _ in range(120):  # staged 30% dearer (probed again only after 2 intervals); each
+            # probe's send is learned at its price
+            choice = costs.choose("peer", 10, 0, 13)
+            if choice.path == STAGED:
+                probes += 1
+                costs.observe("peer", STAGED, 13, 0, choice.staged_s)
+        return probes
+
+    assert young_probes(PathCosts(figures, probe_interval=64)) == YOUNG_PROBES
+    learned = PathCosts(figures, probe_interval=64)
+    for _ in range(YOUNG_SENDS):  # staged sends chosen before: all but the first learned
+        learned.observe("peer", STAGED, 13, 0, figures.staged_send_s(13, 0))
+    assert young_probes(learned) == 1  # the probe whose send is its YOUNG_SENDS-th learned
 
 
 @pytest.mark.parametrize("off", [0.7, 1.0])
