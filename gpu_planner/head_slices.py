@@ -32,6 +32,7 @@ from gpu_planner.inputs import (
     check_same_length,
     is_integer,
     negative_page_error,
+    shown_int,
 )
 from gpu_planner.jit import compiled
 
@@ -64,7 +65,7 @@ def per_layer(values: PerLayer, name: str, num_layers: int) -> np.ndarray:
         if not is_integer(value):
             raise PlanValidationError(f"{name}[{layer}] = {value!r}: must be an integer")
         if not 0 <= int(value) <= INT64_MAX:
-            shown = int(value) if abs(int(value)) <= INT64_MAX else f"{int(value):#x}"
+            shown = shown_int(int(value))
             raise PlanValidationError(f"{name}[{layer}] = {shown}: must be in [0, 2**63)")
     return np.array([int(value) for value in listed], dtype=np.int64)
 

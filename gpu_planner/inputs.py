@@ -21,6 +21,12 @@ HOST = torch.device("cpu")
 INT64_MAX = 2**63 - 1  # the largest page, pointer, length or byte address
 
 
+def shown_int(value: int) -> int | str:
+    """`value` as an error message shows it: in hex from 2**128 on, where a decimal of over
+    4,300 digits would make the message itself raise (Python's int-to-str limit)."""
+    return value if abs(value) < 2**128 else f"{value:#x}"
+
+
 def as_page_list(values: IndexLike, name: str) -> PageList:
     """A 1-D int32/int64 page list: NumPy for host data (a CPU tensor is viewed), else the tensor.
 

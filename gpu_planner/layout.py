@@ -10,7 +10,7 @@ import torch
 
 from gpu_planner.cuda_streams import copy_tables_to_device
 from gpu_planner.errors import BoundsError, PlanValidationError
-from gpu_planner.inputs import INT64_MAX
+from gpu_planner.inputs import INT64_MAX, shown_int
 
 HOST_SPACE = 0
 DEVICE_SPACE = 1
@@ -66,7 +66,7 @@ def _checked_ints(values: Sequence, name: str) -> np.ndarray:
             ) from None
         if not -INT64_MAX - 1 <= value <= INT64_MAX:
             raise PlanValidationError(
-                f"{name}[{position}] = {value}: does not fit in int64 (addresses and "
+                f"{name}[{position}] = {shown_int(value)}: does not fit in int64 (addresses and "
                 "lengths must be below 2**63)"
             )
         checked.append(value)

@@ -254,6 +254,7 @@ def test_edge_values_match_reference(backend_device, case):
         ([2**64, 1], "18446744073709551616"),
         ([2**63, -1], "9223372036854775808"),
         (np.array([2**63, 1], dtype=np.uint64), "9223372036854775808"),
+        ([10**5000, 1], f"{10**5000:#x}"),  # 5,001 digits: past Python's int-to-str limit
     ],
 )
 def test_pointer_outside_int64_is_named(values, shown):
