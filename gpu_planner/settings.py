@@ -126,6 +126,12 @@ def generation() -> int:
     return _generation
 
 
+def loaded_generation() -> int | None:
+    """`generation()` while values are loaded; None after `forget_loaded` (or before any load):
+    what a caller built at that generation stands exactly while this returns it."""
+    return None if _loaded is None else _generation
+
+
 def forget_loaded() -> None:
     """Drop the loaded values: the next `loaded` parses the environment again (tests)."""
     global _loaded

@@ -83,3 +83,15 @@ def test_a_staging_size_too_large_to_allocate_is_refused_at_load(monkeypatch, si
     monkeypatch.setenv(size.name, str(settings.MAX_STAGING_BYTES))
     settings.load()
     assert settings.loaded(size) == 2**47
+
+
+def test_loaded_generation_is_none_while_nothing_is_loaded():
+    """What a caller built at one generation stands while `loaded_generation` returns it:
+    a load moves it, and `forget_loaded` makes it None until the next load."""
+    settings.load()
+    first = settings.loaded_generation()
+    assert first == settings.generation()
+    settings.forget_loaded()
+    assert settings.loaded_generation() is None
+    settings.loaded(settings.HANDOFF)  # loads again
+    assert settings.loaded_generation() == settings.generation() == first + 1

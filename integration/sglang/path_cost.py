@@ -714,11 +714,11 @@ _shared_lock = threading.Lock()
 def path_costs() -> PathCosts:
     """The process's `PathCosts`, built from the loaded settings (rebuilt when they reload)."""
     global _shared
+    shared = _shared  # one read: atomic; every send but the first after a load ends here
+    if shared is not None and shared[0] == settings.loaded_generation():
+        return shared[1]
     settings.loaded(settings.COST_PROBE_INTERVAL)  # loads the settings if nothing did yet
     generation = settings.generation()
-    shared = _shared  # one read: atomic; every send but the first after a load ends here
-    if shared is not None and shared[0] == generation:
-        return shared[1]
     with _shared_lock:
         if _shared is None or _shared[0] != generation:
             _shared = (generation, PathCosts.from_settings())
