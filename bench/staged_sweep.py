@@ -37,7 +37,8 @@ NAMED_SHAPES = {  # (buffers, pages, bytes per page): the issue's targets
 }
 WITHIN_FASTEST = 1.15  # chosen (with its scatter) over the faster path's time, at most
 SGLANG_NOISE = 1.05  # chosen over sglang's time, at most
-PAIRED_WITHIN = 1.25  # sample counts within this factor: sglang / chosen is paired per round
+PAIRED_WITHIN = 1.25  # sample counts within this factor: sglang / chosen is paired per round,
+PAIRED_SHARE = 0.8  # where at least this share of the fewer samples fell in rounds of both
 
 
 def sweep_shape(descriptors: int, mean_bytes: int) -> tuple[int, int, int]:
@@ -61,16 +62,24 @@ def sglang_over_chosen(result: dict[str, Any]) -> tuple[float, bool]:
     """sglang's send over chosen's (with its scatter when staged), and whether paired.
 
     Paired per round (`sglang/chosen_paired`) where both took about as many
-    samples (within `PAIRED_WITHIN`), so that nearly every round holds both: at
-    the shapes where the two are close, the medians of a few hundred sub-ms
-    sends spread +-3% here. Where one is much slower it is sampled in few
-    rounds, and those rounds, which hold its heavy send, are not typical of the
-    other's: there the ratio of medians.
+    samples (within `PAIRED_WITHIN`) and nearly every sample of the fewer fell
+    in a round that holds both (`PAIRED_SHARE`): at the shapes where the two
+    are close, the medians of a few hundred sub-ms sends spread +-3% here.
+    Where one is much slower it is sampled in few rounds, and those rounds,
+    which hold its heavy send, are not typical of the other's; where a few
+    samples each fell in different rounds (10 and 11 of a 90 ms send shared
+    one round, whose ratio alone was the "paired" figure): the ratio of medians.
     """
     ratios, figures = result["ratios"], result["figures"]
     counts = sorted(figures[name]["repeats"] for name in ("sglang", "chosen"))
+    rounds = [{index for index, _ in figures[name]["rounds"]} for name in ("sglang", "chosen")]
+    shared = len(rounds[0] & rounds[1])
     paired = ratios.get("sglang/chosen_paired")
-    if paired is not None and counts[1] <= PAIRED_WITHIN * counts[0]:
+    if (
+        paired is not None
+        and counts[1] <= PAIRED_WITHIN * counts[0]
+        and shared >= PAIRED_SHARE * counts[0]
+    ):
         return paired, True
     return ratios["sglang/chosen"], False
 

@@ -113,8 +113,12 @@ def test_the_sweep_shapes_its_points_and_writes_a_table_and_a_plot(tmp_path):
 def test_the_sweep_pairs_sglang_and_chosen_only_where_both_were_sampled_alike():
     from bench import staged_sweep
 
-    def result(sglang_repeats: int, chosen_repeats: int) -> dict:
-        figures = {"sglang": {"repeats": sglang_repeats}, "chosen": {"repeats": chosen_repeats}}
+    def result(sglang_repeats: int, chosen_repeats: int, step: int = 1) -> dict:
+        figures = {
+            name: {"repeats": repeats, "rounds": [(i * step, 1e-3) for i in range(repeats)]}
+            for name, repeats in (("sglang", sglang_repeats), ("chosen", chosen_repeats))
+        }
+        figures["chosen"]["rounds"] = [(i, 1e-3) for i in range(chosen_repeats)]
         ratios = {"sglang/chosen": 1.10, "sglang/chosen_paired": 0.90}
         return {"figures": figures, "ratios": ratios}
 
@@ -123,6 +127,8 @@ def test_the_sweep_pairs_sglang_and_chosen_only_where_both_were_sampled_alike():
     unpaired = result(400, 400)
     unpaired["ratios"]["sglang/chosen_paired"] = None  # no round in common
     assert staged_sweep.sglang_over_chosen(unpaired) == (1.10, False)
+    # as many samples, but in different rounds (sglang's every 7th): few pairs, medians
+    assert staged_sweep.sglang_over_chosen(result(10, 11, step=7)) == (1.10, False)
 
 
 def test_the_chosen_sends_timed_are_the_choices_before_the_watched_ones():
