@@ -5,13 +5,14 @@ process, TCP on 127.0.0.1); the staged send is timed with `perf_counter`
 around each of its stages, by wrapping the functions it calls:
 
 - `before_gather`: from the hook's start to the first gather (planning the
-  send, the gate, the route, the decode's buffers, bounds, the gather layout);
-- `gather`: `gather_into_slot` (pages of every buffer into the send staging);
-- `hand_off`: from the piece's submit to sglang's executor to its call's start;
-- `engine_call`: Mooncake's `batch_transfer_sync_write_arrays` of the piece;
-- `await`: `_await_transfer_futures`, from its call to its return;
+  send, the choice, the route, the decode's buffers, bounds, the gather layout);
+- `gather_checks`: `gather_in_parts` checking a piece before its first part;
+- `gather_part`: one part gathered (pages of some buffers into the send staging);
+- `submit`: one part's asynchronous write started (`AsyncWrites.submit`);
+- `wait`: waiting for one part's write to end (`AsyncWrites.wait`);
 - `note`: the `Staged` note (here kept in memory, as the bench does);
-- `total`: the hooked send's wall time.
+- `total`: the hooked send's wall time; `total_from_executor`: the same send
+  with each piece written from sglang's executor (as on a device), alternated.
 
 Beside it, the same bytes written by Mooncake alone (`wire_one`: one
 descriptor per call; `wire_split`: the same bytes as 16 descriptors in one
@@ -61,47 +62,39 @@ def _summary(samples: list[float]) -> dict[str, float]:
 
 
 def breakdown(bench: StagedSendBench, repeats: int) -> dict[str, Any]:
-    """Each stage of `repeats` staged sends (medians, ms), beside Mooncake alone."""
-    from gpu_planner.integration.sglang import gathered, staged_send
+    """Each stage of `repeats` staged sends (medians, ms), beside Mooncake alone, and the same
+    send through sglang's executor (`total_from_executor`), alternated with it."""
+    from gpu_planner.integration.sglang import adapter, staged_send
 
     stages: dict[str, list[float]] = defaultdict(list)
     marks: dict[str, float] = {}
-    gather, write, notify = staged_send.gather_into_slot, gathered.write_chunk, staged_send._notify
-    await_futures = bench.manager._await_transfer_futures
-    submit = bench.executor.submit
+    gather_in_parts, notify = staged_send.gather_in_parts, staged_send._notify
+    submit, wait = adapter.AsyncWrites.submit, adapter.AsyncWrites.wait
 
-    def first_gather(*args: Any) -> Any:
+    def timed_parts(*args: Any) -> Any:
         if "start" in marks:
             stages["before_gather"].append(time.perf_counter() - marks.pop("start"))
-        return _timed(stages, "gather", gather)(*args)
+        parts = _timed(stages, "gather_checks", gather_in_parts)(*args)
+        while True:
+            started = time.perf_counter()
+            written = next(parts, None)
+            if written is None:
+                return
+            stages["gather_part"].append(time.perf_counter() - started)
+            yield written
 
-    def submitted(function: Callable, *args: Any) -> Any:
-        queued = time.perf_counter()
-
-        def run() -> Any:
-            stages["hand_off"].append(time.perf_counter() - queued)
-            return function(*args)
-
-        return submit(run)
-
-    staged_send.gather_into_slot = first_gather
-    gathered.write_chunk = _timed(stages, "engine_call", write)
+    staged_send.gather_in_parts = timed_parts
     staged_send._notify = _timed(stages, "note", notify)
-    bench.manager._await_transfer_futures = _timed(stages, "await", await_futures)
-    bench.executor.submit = submitted
+    adapter.AsyncWrites.submit = _timed(stages, "submit", submit)
+    adapter.AsyncWrites.wait = _timed(stages, "wait", wait)
     try:
         for _ in range(repeats):
             marks["start"] = time.perf_counter()
-            started = time.perf_counter()
-            assert bench.send_staged() == 0
-            stages["total"].append(time.perf_counter() - started)
+            stages["total"].append(_wall(bench.send_staged))
+            stages["total_from_executor"].append(_wall(lambda: _from_executor(bench)))
     finally:
-        staged_send.gather_into_slot, gathered.write_chunk, staged_send._notify = (
-            gather,
-            write,
-            notify,
-        )
-        del bench.manager._await_transfer_futures, bench.executor.submit
+        staged_send.gather_in_parts, staged_send._notify = gather_in_parts, notify
+        adapter.AsyncWrites.submit, adapter.AsyncWrites.wait = submit, wait
     wire = _wire(bench, repeats)
     with offered(bench.session, None):
         hook = [_wall(bench.send_hook) for _ in range(repeats)]
@@ -112,6 +105,18 @@ def breakdown(bench: StagedSendBench, repeats: int) -> dict[str, Any]:
         "hook": _summary(hook),
         "sglang": _summary(sglang),
     }
+
+
+def _from_executor(bench: StagedSendBench) -> int:
+    """The staged send with each piece written from sglang's executor (as on a device)."""
+    from gpu_planner.integration.sglang import staged_send
+
+    part_writes = staged_send._part_writes
+    staged_send._part_writes = lambda *_: None
+    try:
+        return bench.send_staged()
+    finally:
+        staged_send._part_writes = part_writes
 
 
 def _wall(send: Callable[[], int]) -> float:

@@ -25,7 +25,8 @@ page; the region large enough and apart from the sources).
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Sequence
+import itertools
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -90,7 +91,7 @@ def chunk_layout(layout: HeadSliceLayout, entries: Sequence[int] | slice) -> Hea
 
 def staging_nbytes(layout: HeadSliceLayout, num_pages: int) -> int:
     """Bytes of staging a chunk of `num_pages` pages takes: pages x the sum of dst page lengths."""
-    return int(num_pages) * sum(int(page_len) for page_len in layout.geometry[1, 1])
+    return int(num_pages) * sum(layout.geometry[1, 1].tolist())  # Python ints: no overflow
 
 
 def gather_head_slices(
@@ -134,19 +135,13 @@ def gather_head_slices(
         >>> staging.tolist()  # bytes 4..8 and 12..16 of page 1
         [20, 21, 22, 23, 28, 29, 30, 31]
     """
-    _check_layout(layout)
-    pages = as_page_list(src_pages, "src_pages")
-    largest_page = _largest_page(pages, "src_pages")
-    staging, backend = staging_and_backend(staging, backend, layout.num_layers)
-    staging_address, staging_len = _address_and_nbytes(staging)
-    _check_copies(layout, len(pages), largest_page, staging_address, staging_len, src_lens)
+    pages, staging, backend, entries = _checked_gather(
+        layout, src_pages, staging, src_lens, backend
+    )
     if not len(pages):
         return
-    entries = _copy_table(layout, len(pages))
     if backend == "cpu":
-        page_array = np.ascontiguousarray(as_host_array(pages), dtype=np.int64)
-        entries[:, 3] += staging_address
-        gather_loop(entries, page_array, layout.page_size)
+        gather_loop(entries, _host_pages(pages), layout.page_size)
         return
     from gpu_planner.kernels.head_gather import launch_gather_head_slices
 
@@ -154,6 +149,77 @@ def gather_head_slices(
         staging = torch.from_numpy(staging)
     with on_torch_device(staging.device):
         launch_gather_head_slices(staging, as_tensor(pages), entries, layout.page_size)
+
+
+def gather_in_parts(
+    layout: HeadSliceLayout,
+    src_pages: IndexLike,
+    staging: np.ndarray | HostRegion,
+    src_lens: PerLayer,
+    parts: int,
+) -> Iterator[int]:
+    """`gather_head_slices` on the host in up to `parts` parts of whole entries, in order.
+
+    After each part the iterator yields how many bytes of the staging are
+    written: a prefix, since entries are staged one after another, so that
+    prefix's tail can be on the wire while the next part is gathered. Every
+    argument is checked here, before the first part (`PlanValidationError`,
+    as `gather_head_slices`); parts are cut near equal bytes, at most one per
+    entry, and an empty chunk yields nothing.
+
+    Example:
+        >>> kv = np.arange(32, dtype=np.uint8)  # 4 pages of 8 bytes
+        >>> layout = HeadSliceLayout.build(
+        ...     src_ptrs=[kv.ctypes.data, kv.ctypes.data + 16], dst_ptrs=[0, 0], page_size=1,
+        ...     src_page_lens=8, dst_page_lens=8, src_token_lens=8, dst_token_lens=8,
+        ...     src_head_offsets=0, dst_head_offsets=0, slice_lens=8)
+        >>> staging = np.zeros(staging_nbytes(layout, 1), dtype=np.uint8)
+        >>> list(gather_in_parts(layout, np.array([1]), staging, src_lens=16, parts=2))
+        [8, 16]
+    """
+    if not (is_integer(parts) and parts >= 1):
+        raise PlanValidationError(f"parts: must be an integer >= 1, got {parts!r}")
+    pages, _, _, entries = _checked_gather(layout, src_pages, staging, src_lens, "cpu")
+    if not len(pages):
+        return iter(())
+    # Where each entry's staged pages end: the bytes written once it is gathered.
+    written = np.cumsum(entries[:, 4] * len(pages))
+    cuts = np.searchsorted(written, written[-1] * np.arange(1, parts) / parts) + 1
+    bounds = np.unique(np.concatenate([[0], cuts, [len(written)]]))
+    return _gathered_parts(entries, _host_pages(pages), layout.page_size, bounds, written)
+
+
+def _gathered_parts(
+    entries: np.ndarray, pages: np.ndarray, page_size: int, bounds: np.ndarray, written: np.ndarray
+) -> Iterator[int]:
+    for first, end in zip(bounds[:-1].tolist(), bounds[1:].tolist(), strict=True):
+        gather_loop(entries[first:end], pages, page_size)
+        yield int(written[end - 1])
+
+
+def _checked_gather(
+    layout: HeadSliceLayout,
+    src_pages: IndexLike,
+    staging: Staging,
+    src_lens: PerLayer,
+    backend: Backend | None,
+) -> tuple[PageList, torch.Tensor | np.ndarray, Backend, np.ndarray]:
+    """The gather's pages, staging, backend and copy table, once every argument is checked
+    (host staging: the table's staged bases absolute)."""
+    _check_layout(layout)
+    pages = as_page_list(src_pages, "src_pages")
+    largest_page = _largest_page(pages, "src_pages")
+    staging, backend = staging_and_backend(staging, backend, layout.num_layers)
+    staging_address, staging_len = _address_and_nbytes(staging)
+    _check_copies(layout, len(pages), largest_page, staging_address, staging_len, src_lens)
+    entries = _copy_table(layout, len(pages))
+    if backend == "cpu":
+        entries[:, 3] += staging_address
+    return pages, staging, backend, entries
+
+
+def _host_pages(pages: PageList) -> np.ndarray:
+    return np.ascontiguousarray(as_host_array(pages), dtype=np.int64)
 
 
 def gathered_descriptors(
@@ -322,9 +388,8 @@ def _address_and_nbytes(staging: torch.Tensor | np.ndarray) -> tuple[int, int]:
 
 def _staged_offsets(layout: HeadSliceLayout, num_pages: int) -> np.ndarray:
     """int64 [entries]: where each entry's staged pages start in the staging region."""
-    page_lens = [int(page_len) for page_len in layout.geometry[1, 1]]
-    offsets = np.cumsum([0, *page_lens[:-1]], dtype=object) * num_pages
-    return np.array(offsets.tolist(), dtype=np.int64)
+    starts = itertools.accumulate(layout.geometry[1, 1, :-1].tolist(), initial=0)
+    return np.array([start * num_pages for start in starts], dtype=np.int64)
 
 
 def _check_copies(

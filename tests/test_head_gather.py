@@ -264,6 +264,51 @@ def test_gather_of_a_layer_chunk_writes_only_its_entries(backend_device, data, g
     check_against_reference(gather_case(data, backend_device, geometry, chunk))
 
 
+@given(data=st.data(), geometry=sglang_geometries() | free_geometries())
+def test_a_gather_in_parts_writes_a_growing_prefix_and_the_references_bytes(data, geometry):
+    """After each part the staging holds the reference's bytes up to what the part yields, and
+    its bytes past that as they were: the prefix can go on the wire before the next part."""
+    num_pages = data.draw(st.integers(0, 5), label="num_pages")
+    capacity = data.draw(st.integers(max(2 * num_pages, 1), 2 * num_pages + 3))
+    pages = data.draw(page_lists(num_pages, capacity))
+    prefill = make_prefill(geometry, capacity, torch.device("cpu"), data.draw(st.integers(0, 99)))
+    parts = data.draw(st.integers(1, 2 * geometry.num_entries + 1), label="parts")
+    nbytes = staging_nbytes(prefill.layout, num_pages)
+    staging, block = new_staging(nbytes, data.draw(st.sampled_from([0, 1, 8])), "cpu", seed=2)
+    before = block.numpy().copy()
+    region = staging_region(block, staging)
+    expected = before.copy()
+    entries = list(range(geometry.num_entries))
+    expected[region] = reference_staging(prefill, entries, pages, before[region])
+    page_input = as_page_input(pages, data, torch.device("cpu"))
+    written = []
+    for end in head_gather.gather_in_parts(
+        prefill.layout, page_input, staging, prefill.src_lens, parts
+    ):
+        written.append(end)
+        upto = region.start + end
+        np.testing.assert_array_equal(block.numpy()[:upto], expected[:upto])
+        np.testing.assert_array_equal(block.numpy()[upto:], before[upto:])
+    assert written == sorted(set(written))  # each part adds bytes
+    assert written[-1:] == ([nbytes] if num_pages else [])
+    assert len(written) <= min(parts, geometry.num_entries)
+    if num_pages and parts >= 2 and geometry.num_entries >= 2:
+        largest_entry = max(geometry.dst_token_lens) * geometry.page_size * num_pages
+        assert len(written) >= 2 or largest_entry * 2 > nbytes  # cut near equal bytes
+
+
+def test_a_gather_in_parts_refuses_before_its_first_part(kv):
+    """Checked at the call, as `gather_head_slices`: nothing is written, even unstarted."""
+    layout = kv_layout(kv)
+    staging = np.full(staging_nbytes(layout, 2), 7, dtype=np.uint8)
+    with pytest.raises(gp.PlanValidationError, match=r"^src_pages\[1\] = -2"):
+        head_gather.gather_in_parts(layout, np.array([1, -2]), staging, 128, parts=2)
+    for parts in (0, 1.5, "2"):
+        with pytest.raises(gp.PlanValidationError, match=r"^parts: must be an integer >= 1"):
+            head_gather.gather_in_parts(layout, np.array([1, 3]), staging, 128, parts=parts)
+    assert (staging == 7).all()
+
+
 class FakeMemory:
     """Address ranges backed by host arrays: descriptors applied as byte copies, bounds asserted."""
 

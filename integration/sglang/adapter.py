@@ -20,6 +20,7 @@ from __future__ import annotations
 import functools
 import logging
 
+import numpy as np
 from sglang.srt.disaggregation.mooncake import conn
 from sglang.srt.distributed.device_communicators.mooncake_transfer_engine import (
     MooncakeTransferEngine,
@@ -90,6 +91,54 @@ def sglang_handoff(wrapper: object) -> handoff.Handoff:
         return status
 
     return handoff.Handoff(handoff.ARRAYS, write)
+
+
+# What `AsyncWrites` calls (Mooncake 0.3.14's binding has both).
+ASYNC_METHODS = ("batch_transfer_async_write_arrays", "get_batch_transfer_status")
+
+
+class AsyncWrites:
+    """The engine's asynchronous arrays writes, one descriptor each, under `sglang_handoff`'s
+    rules (its status as sglang's wrapper gives it: any exception is -1).
+
+    `submit` starts one write and returns a batch id (0: none started, which
+    `wait` reports as -1); `wait` blocks (without the GIL) until that write
+    ended: 0 once its bytes landed, -1 if it failed.
+    """
+
+    def __init__(self, engine: object) -> None:
+        self._progress = current_send()
+        self._submit = engine.batch_transfer_async_write_arrays
+        self._status = engine.get_batch_transfer_status
+
+    def submit(self, session: str, src: int, dst: int, nbytes: int) -> int:
+        self._progress.engine_call_starting()
+        columns = (np.array([value], dtype=np.int64) for value in (src, dst, nbytes))
+        try:
+            return int(self._submit(session, *columns))
+        except Exception:
+            logger.debug("Failed to submit a write of %d bytes to %s", nbytes, session)
+            return 0
+
+    def wait(self, batch: int) -> int:
+        if not batch:
+            return -1
+        try:
+            return 0 if self._status([batch]) == 0 else -1
+        except Exception:
+            return -1
+
+
+def sglang_async_writes(wrapper: object) -> AsyncWrites | None:
+    """Where a hook calls the engine itself (`sglang_handoff`: arrays) and the engine writes
+    asynchronously: its writes; else None (the hook makes `sglang_handoff`'s calls)."""
+    engine = getattr(wrapper, "engine", None)
+    asked = settings.loaded(settings.HANDOFF)
+    if not _calls_engine_arrays(type(wrapper), type(engine), asked):
+        return None
+    if not all(hasattr(engine, name) for name in ASYNC_METHODS):
+        return None
+    return AsyncWrites(engine)
 
 
 @functools.lru_cache(maxsize=64)

@@ -54,7 +54,7 @@ from gpu_planner.errors import PlanValidationError
 from gpu_planner.head_gather import chunk_layout, gather_head_slices, gathered_descriptors
 from gpu_planner.head_slices import HeadSliceLayout
 from gpu_planner.integration.sglang import bounds
-from gpu_planner.integration.sglang.adapter import sglang_handoff
+from gpu_planner.integration.sglang.adapter import AsyncWrites, sglang_handoff
 from gpu_planner.integration.sglang.counters import record_send
 from gpu_planner.integration.sglang.fallback import current_send, log_fallback_once
 from gpu_planner.plan import exact_total
@@ -402,6 +402,78 @@ def write_chunk(
     if ready is not None:
         ready.synchronize()
     return engine_handoff.call(session, *engine_handoff.columns(srcs, dsts, lens))
+
+
+class PartWrites:
+    """A send's asynchronous part writes (`AsyncWrites`) and the slots they read.
+
+    As `SlotLease`, from the first slot taken on: at most `SLOTS_PER_SEND`
+    slots, the next chunk gathered into the other one while a chunk is on the
+    wire; here the writes start from this thread, one per part as soon as it
+    is gathered, with no hand-off to an executor. A slot is reused or given
+    back only once every write reading it ended, whatever the send's status:
+    leaving the block, by return or raise, waits for the writes still in flight.
+    `status` is 0 until a write fails (or does not start), then -1.
+    """
+
+    def __init__(
+        self, staging: GatherStaging, first_slot: int, writes: AsyncWrites, session: str
+    ) -> None:
+        self._staging = staging
+        self._writes = writes
+        self._session = session
+        self._in_flight: dict[int, list[int]] = {first_slot: []}  # slot -> its writes' batches
+        self.status = 0
+
+    def __enter__(self) -> PartWrites:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        try:
+            self.finish()
+        finally:
+            for slot in self._in_flight:
+                self._staging.give_back(slot)
+
+    def next_slot(self) -> int | None:
+        """The slot for the send's next chunk; None once a write failed (no more are gathered).
+
+        A held slot no write reads, taking another free one while holding fewer
+        than `SLOTS_PER_SEND`; else the oldest chunk's, once its writes ended.
+        """
+        for slot, batches in self._in_flight.items():
+            if not batches:
+                return None if self.status else slot
+        if len(self._in_flight) < SLOTS_PER_SEND:
+            slot = self._staging.try_take()
+            if slot is not None:
+                self._in_flight[slot] = []
+                return None if self.status else slot
+        slot = next(iter(self._in_flight))  # dicts keep insertion order: the oldest chunk's slot
+        self._end(slot)
+        self._in_flight[slot] = self._in_flight.pop(slot)  # re-inserted last: the newest
+        return None if self.status else slot
+
+    def write(self, slot: int, offset: int, dst: int, nbytes: int) -> None:
+        """Start writing `nbytes` of `slot` from byte `offset` to the peer's `dst`."""
+        src = self._staging.slot(slot).data_ptr() + offset
+        batch = self._writes.submit(self._session, src, dst, nbytes)
+        if batch:
+            self._in_flight[slot].append(batch)
+        else:
+            self.status = -1
+
+    def finish(self) -> int:
+        """Wait for every write in flight; 0 when every one landed, else -1."""
+        for slot in self._in_flight:
+            self._end(slot)
+        return self.status
+
+    def _end(self, slot: int) -> None:
+        batches, self._in_flight[slot] = self._in_flight[slot], []
+        for batch in batches:  # each waited for, even after one failed: all end before reuse
+            if self._writes.wait(batch) != 0:
+                self.status = -1
 
 
 def _per_token(reason: str, needed: int) -> None:

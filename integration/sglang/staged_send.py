@@ -13,10 +13,14 @@ cheaper staged (`path_cost`: its price both ways to this peer, learned from
 this process's own sends; or the gate a user set with
 `GPU_PLANNER_STAGING_MIN_DESCRIPTORS` / `..._MAX_MEAN_BYTES`), is gathered page
 by page of every buffer into the prefill's registered send staging (the
-gathered path's slots), written with one descriptor per slot-sized piece of
-pages into the part (from sglang's executor, two slots at most: while one
-piece is on the wire the next is gathered), and once every piece's engine call
-succeeded, named to the decode in a `Staged` note on the socket sglang's
+gathered path's slots) one slot-sized piece of pages at a time, two slots at
+most, and written into the part while the next is gathered: in host memory,
+each piece in parts of whole buffers, every part started on the wire (one
+descriptor, Mooncake's asynchronous write) from this thread as soon as it is
+gathered (`Pieces.write_in_parts`); on a device, or through an engine without
+asynchronous writes, one descriptor per piece from sglang's executor once its
+gather is done (`Pieces.write_from`). Once every write succeeded, the send is
+named to the decode in a `Staged` note on the socket sglang's
 status messages take (so the note arrives first); the decode scatters it into
 its pages before it counts the request's KV as arrived. The rank's Success
 status declares how many notes it sent for each lent request
@@ -45,9 +49,11 @@ from typing import Any
 import numpy as np
 
 from gpu_planner import settings
+from gpu_planner.cuda_runtime import cuda_runtime
+from gpu_planner.head_gather import gather_in_parts
 from gpu_planner.head_slices import HeadSliceLayout
 from gpu_planner.integration.sglang import bounds
-from gpu_planner.integration.sglang.adapter import sglang_handoff
+from gpu_planner.integration.sglang.adapter import AsyncWrites, sglang_async_writes, sglang_handoff
 from gpu_planner.integration.sglang.counters import (
     record_fallback,
     record_path_choice,
@@ -56,6 +62,7 @@ from gpu_planner.integration.sglang.counters import (
 from gpu_planner.integration.sglang.fallback import current_send, log_fallback_once, log_once
 from gpu_planner.integration.sglang.gathered import (
     Chunk,
+    PartWrites,
     SlotLease,
     gather_into_slot,
     piece_executor,
@@ -402,41 +409,41 @@ def send_staged(
     write = decide(manager, session, src_pages, dst_pages, entries, descriptors)
     if not isinstance(write, StagedWrite):
         return None if write is None else _not_staged(write)
-    staging, chunks, route = write.staging, write.chunks, write.route
-    first_slot = staging.try_take()
-    if first_slot is None:
-        return _not_staged("every send staging slot is lent to other sends")
-    chunk_page_bytes = entries.chunk_page_bytes
-    src_key, _, page_lens_key = entries.keys
-    gather_layout = _gather_layout(src_key, page_lens_key)
-    engine_handoff = sglang_handoff(manager.engine)
+    route = write.route
     reservation = route.reservation
     part, _ = writer_part(reservation.nbytes, entries.writers, entries.writer)
     base = route.region.address + reservation.offset + part
-    futures = current_send().futures
-    executor = piece_executor(executor, len(chunks))
-    with SlotLease(staging, first_slot, futures) as lease:  # whatever raises, slots go back
+    src_key, _, page_lens_key = entries.keys
+    pieces = Pieces(
+        write.staging, _gather_layout(src_key, page_lens_key), src_pages, write.src_lens,
+        entries.chunk_page_bytes,
+        [
+            (first, count, base + chunk_offset(
+                write.decode_page_bytes, entries.writers, write.page_start + first
+            ))
+            for first, count in write.chunks
+        ],
+    )  # fmt: skip
+    engine_handoff = sglang_handoff(manager.engine)
+    writes = _part_writes(manager, write.staging)
+    first_slot = write.staging.try_take()
+    if first_slot is None:
+        return _not_staged("every send staging slot is lent to other sends")
+    if writes is None:
+        lease = SlotLease(write.staging, first_slot, current_send().futures)
+    else:
+        lease = PartWrites(write.staging, first_slot, writes, session)
+    with lease:  # whatever raises, each slot goes back once no write reads it
         record_send(
-            "staged", engine_handoff.form, len(chunks), write.nbytes,
-            time.perf_counter() - started, len(write.entry_ids), len(chunks),
+            "staged", engine_handoff.form, len(write.chunks), write.nbytes,
+            time.perf_counter() - started, len(write.entry_ids), len(write.chunks),
         )  # fmt: skip
-        for first, count in chunks:
-            slot = lease.next_slot()  # may wait for this send's own earlier piece
-            if slot is None:
-                break  # the send fails: no more pieces are gathered
-            ready = gather_into_slot(
-                staging, slot, gather_layout, Chunk(slice(None), slice(first, first + count)),
-                src_pages, write.src_lens,
-            )  # fmt: skip
-            position = write.page_start + first
-            dst = base + chunk_offset(write.decode_page_bytes, entries.writers, position)
-            columns = (
-                np.array([staging.slot(slot).data_ptr()], dtype=np.int64),
-                np.array([dst], dtype=np.int64),
-                np.array([count * chunk_page_bytes], dtype=np.int64),
-            )
-            lease.write(slot, executor, engine_handoff, session, ready, columns)
-        status = manager._await_transfer_futures(futures)  # slots of ended calls back on return
+        if writes is None:
+            pieces.write_from(lease, executor, engine_handoff, session)
+            status = manager._await_transfer_futures(current_send().futures)
+        else:
+            pieces.write_in_parts(lease)
+            status = lease.finish()
     if status != 0:
         return status  # no note: the decode scatters nothing of this send
     staged = Staged(
@@ -448,14 +455,84 @@ def send_staged(
         entries=np.asarray(write.entry_ids, dtype=np.int64),
         is_device=entries.is_device,
         chunks=np.array(
-            [(write.page_start + first, count) for first, count in chunks], dtype=np.int64
+            [(write.page_start + first, count) for first, count in write.chunks], dtype=np.int64
         ),
     )
     _notify(manager, route, staged)
-    observe(session, STAGED, len(chunks), write.nbytes, time.perf_counter() - started, True)
+    observe(session, STAGED, len(write.chunks), write.nbytes, time.perf_counter() - started, True)
     with _lock:
         route.staged_notes += 1
     return 0
+
+
+# A host-staged piece goes on the wire in parts of about PART_BYTES (at most MAX_PARTS),
+# each written as soon as it is gathered, while the next part is gathered. Measured on two
+# cores over loopback TCP (docs/benchmarks.md): 4 MB in 1, 2, 3, 4 parts 3.24, 3.07, 3.19,
+# 3.30 ms; 32 MB in 1, 2, 4, 8, 16 parts 26.2, 23.8, 23.5, 22.7, 23.9 ms (each part is one
+# more request; the gather of the first part is not overlapped).
+PART_BYTES = 2 << 20
+MAX_PARTS = 8
+
+
+@dataclass(frozen=True)
+class Pieces:
+    """A staged send's slot-sized pieces: what each gathers and where its bytes go."""
+
+    staging: Any  # the prefill's `GatherStaging`
+    layout: HeadSliceLayout  # whole source pages of every buffer, buffer-major
+    src_pages: np.ndarray
+    src_lens: np.ndarray  # each source buffer's registered bytes
+    page_bytes: int  # a page of every buffer: a piece's bytes per page
+    pieces: list[tuple[int, int, int]]  # (first page, pages, the decode's address) of each
+
+    def write_from(
+        self, lease: SlotLease, executor: concurrent.futures.Executor, engine_handoff: Any,
+        session: str,
+    ) -> None:  # fmt: skip
+        """Gather each piece here and write it from `executor` (sglang's, for more than one
+        piece: the next is gathered while one is on the wire), once its gather is done."""
+        executor = piece_executor(executor, len(self.pieces))
+        for first, count, dst in self.pieces:
+            slot = lease.next_slot()  # may wait for this send's own earlier piece
+            if slot is None:
+                return  # the send fails: no more pieces are gathered
+            ready = gather_into_slot(
+                self.staging, slot, self.layout, Chunk(slice(None), slice(first, first + count)),
+                self.src_pages, self.src_lens,
+            )  # fmt: skip
+            columns = (
+                np.array([self.staging.slot(slot).data_ptr()], dtype=np.int64),
+                np.array([dst], dtype=np.int64),
+                np.array([count * self.page_bytes], dtype=np.int64),
+            )
+            lease.write(slot, executor, engine_handoff, session, ready, columns)
+
+    def write_in_parts(self, lease: PartWrites) -> None:
+        """Gather each piece in parts (host staging), each part written as soon as it is
+        gathered, from this thread: the gather of one part overlaps the wire of the last."""
+        for first, count, dst in self.pieces:
+            slot = lease.next_slot()  # may wait for this send's own earlier piece
+            if slot is None:
+                return
+            parts = min(MAX_PARTS, max(1, round(count * self.page_bytes / PART_BYTES)))
+            written = 0
+            for end in gather_in_parts(
+                self.layout, self.src_pages[first : first + count], self.staging.slot(slot),
+                self.src_lens, parts,
+            ):  # fmt: skip
+                lease.write(slot, written, dst + written, end - written)
+                if lease.status:
+                    return  # the send fails: no more parts are gathered
+                written = end
+
+
+def _part_writes(manager: Any, staging: Any) -> AsyncWrites | None:
+    """The engine's asynchronous writes where the staging is in host memory (the gather runs
+    here, part by part); None on a device (its gather is one kernel, then an event) or an
+    engine without them: the pieces go from sglang's executor."""
+    if cuda_runtime().runs_on_device(staging.torch_device):
+        return None
+    return sglang_async_writes(manager.engine)
 
 
 def observe(session: str, path: str, requests: int, nbytes: int, seconds: float, ok: bool) -> None:

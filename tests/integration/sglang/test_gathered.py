@@ -18,6 +18,7 @@ had, and on the CUDA path the engine call waiting on the gather's event.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import ctypes
 import inspect
 import threading
@@ -599,3 +600,98 @@ def test_a_fault_after_the_first_slot_is_taken_gives_every_slot_back(monkeypatch
     run(ORIGINAL, scenario, ArraysMemoryEngine(registered(scenario), expected_decode), ONE_THREAD)
     for ptr in decode:
         np.testing.assert_array_equal(raw.decode[ptr], expected_decode[ptr])
+
+
+class CountedSlots:
+    """A staging's slots, lent and given back, in host memory (what `PartWrites` reads)."""
+
+    def __init__(self, slots: int = gathered.SLOTS) -> None:
+        self._slots = [torch.zeros(64, dtype=torch.uint8) for _ in range(slots)]
+        self.free = list(range(slots))
+        self.given_back: list[tuple[int, int]] = []  # (slot, writes still unwaited then)
+        self.writes: RecordedWrites | None = None
+
+    def slot(self, index: int) -> torch.Tensor:
+        return self._slots[index]
+
+    def try_take(self) -> int | None:
+        return self.free.pop(0) if self.free else None
+
+    def give_back(self, index: int) -> None:
+        self.given_back.append((index, len(self.writes.unwaited)))
+        self.free.append(index)
+
+
+class RecordedWrites:
+    """`AsyncWrites` without an engine: each write gets a batch; `failing` batches end -1,
+    a `refused` write starts none."""
+
+    def __init__(self, failing: tuple[int, ...] = (), refused: tuple[int, ...] = ()) -> None:
+        self.submitted: list[tuple[int, int, int]] = []
+        self.unwaited: set[int] = set()
+        self.waited: list[int] = []
+        self._failing, self._refused = failing, refused
+
+    def submit(self, session: str, src: int, dst: int, nbytes: int) -> int:
+        self.submitted.append((src, dst, nbytes))
+        batch = len(self.submitted)
+        if batch in self._refused:
+            return 0
+        self.unwaited.add(batch)
+        return batch
+
+    def wait(self, batch: int) -> int:
+        self.unwaited.discard(batch)
+        self.waited.append(batch)
+        return -1 if batch in self._failing else 0
+
+
+def part_writes(writes: RecordedWrites) -> tuple[gathered.PartWrites, CountedSlots]:
+    staging = CountedSlots()
+    staging.writes = writes
+    return gathered.PartWrites(staging, staging.try_take(), writes, SESSION), staging
+
+
+def test_part_writes_reuse_a_slot_only_once_its_writes_ended():
+    writes = RecordedWrites()
+    lease, staging = part_writes(writes)
+    with lease:
+        first = lease.next_slot()
+        lease.write(first, 0, 1000, 16)
+        lease.write(first, 16, 1016, 16)
+        second = lease.next_slot()
+        assert second != first and writes.waited == []  # a second slot, nothing waited for
+        lease.write(second, 0, 2000, 32)
+        assert lease.next_slot() == first and writes.waited == [1, 2]  # the oldest, once ended
+        assert staging.free == [2, 3]  # two slots held at most
+        lease.write(first, 0, 3000, 8)
+    assert writes.unwaited == set() and writes.waited == [1, 2, 3, 4]
+    assert sorted(staging.given_back) == [(first, 0), (second, 0)]
+    assert lease.status == 0
+    base = staging.slot(first).data_ptr()
+    assert writes.submitted[:2] == [(base, 1000, 16), (base + 16, 1016, 16)]
+
+
+@pytest.mark.parametrize("fault", ["failing", "refused", "raises"])
+def test_part_writes_end_every_write_before_any_slot_goes_back(fault):
+    """A failed write, a write that never started, or an exception in the send: every write
+    still in flight is waited for (each, even after one failed) before its slot goes back,
+    and once a write failed no slot is lent for another chunk."""
+    writes = RecordedWrites(
+        failing=(1,) if fault == "failing" else (), refused=(3,) if fault == "refused" else ()
+    )
+    lease, staging = part_writes(writes)
+    raised = pytest.raises(RuntimeError) if fault == "raises" else contextlib.nullcontext()
+    with raised, lease:
+        slot = lease.next_slot()
+        lease.write(slot, 0, 1000, 16)
+        lease.write(slot, 16, 1016, 16)
+        lease.write(lease.next_slot(), 0, 2000, 16)
+        if fault == "raises":
+            raise RuntimeError("a fault in the send")
+        assert lease.next_slot() is None
+        assert lease.finish() == -1
+    started = [1, 2] if fault == "refused" else [1, 2, 3]  # a refused write has no batch
+    assert writes.unwaited == set() and sorted(writes.waited) == started
+    assert all(unwaited == 0 for _, unwaited in staging.given_back)
+    assert sorted(staging.free) == list(range(gathered.SLOTS))

@@ -36,6 +36,7 @@ from suite_support import set_knob
 
 from gpu_planner import settings
 from gpu_planner.integration.sglang import (
+    adapter,
     counters,
     gathered,
     path_cost,
@@ -261,14 +262,20 @@ def test_a_staged_send_lands_what_sglangs_send_lands(
 
 
 class PieceTimeline:
-    """The staged send's gathers, engine calls and note, in the order they happen.
+    """The staged send's gathers, engine calls and note, in the order they happen, on one of
+    its two write paths.
 
-    Piece 0's engine call waits (10 s at most) until piece 1 was gathered, so a
-    send that gathers only after each call fails the test rather than hangs;
-    `failing_write` makes that piece's call return -1.
+    `parts` (host staging, the default): each piece in one part here, started on
+    the wire from the sending thread and waited for when its slot is needed or the
+    send ends. `executor` (as on a device, or through an engine without
+    asynchronous writes): piece 0's engine call waits (10 s at most) until piece 1
+    was gathered, so a send that gathers only after each call fails the test
+    rather than hangs. `failing_write` makes that piece's write end with -1.
     """
 
-    def __init__(self, monkeypatch, deployment: Deployment, failing_write: int | None = None):
+    def __init__(
+        self, monkeypatch, deployment: Deployment, path: str, failing_write: int | None = None
+    ):
         self.events: list[str] = []
         self.lowest_free_slots = gathered.SLOTS
         self._lock = threading.Lock()
@@ -276,10 +283,20 @@ class PieceTimeline:
         self._failing_write = failing_write
         self._writes = iter(range(16))
         self._gathers = iter(range(16))
+        self._pieces: dict[int, int] = {}  # a parts write's batch -> its piece
         self._staging = gathered.staging_for(deployment.prefill)
-        gather, write = staged_send.gather_into_slot, gathered.write_chunk
-        monkeypatch.setattr(staged_send, "gather_into_slot", self._spy(gather, self._gather))
-        monkeypatch.setattr(gathered, "write_chunk", self._spy(write, self._write))
+        if path == "executor":
+            monkeypatch.setattr(staged_send, "_part_writes", lambda *_: None)
+            gather, write = staged_send.gather_into_slot, gathered.write_chunk
+            monkeypatch.setattr(staged_send, "gather_into_slot", self._spy(gather, self._gather))
+            monkeypatch.setattr(gathered, "write_chunk", self._spy(write, self._write))
+        else:
+            monkeypatch.setattr(staged_send, "PART_BYTES", 1 << 40)  # one part per piece
+            parts = staged_send.gather_in_parts
+            monkeypatch.setattr(staged_send, "gather_in_parts", self._spy(parts, self._parts))
+            submit, wait = adapter.AsyncWrites.submit, adapter.AsyncWrites.wait
+            monkeypatch.setattr(adapter.AsyncWrites, "submit", self._spy(submit, self._submit))
+            monkeypatch.setattr(adapter.AsyncWrites, "wait", self._spy(wait, self._wait))
         keep_note = deployment.prefill._send_multipart_locked
         deployment.prefill._send_multipart_locked = self._spy(keep_note, self._note)
 
@@ -299,6 +316,17 @@ class PieceTimeline:
         self._gathered[number].set()
         return ready
 
+    def _parts(self, original, *args):
+        number = next(self._gathers)
+        parts = original(*args)  # checked, nothing gathered yet
+
+        def gathering():
+            self.add(f"gather {number}")
+            yield from parts
+            self.add(f"gather {number} ended")
+
+        return gathering()
+
     def _write(self, original, *args):
         number = next(self._writes)
         if number == 0:
@@ -306,6 +334,17 @@ class PieceTimeline:
         status = -1 if number == self._failing_write else original(*args)
         self.add(f"write {number} ended")
         return status
+
+    def _submit(self, original, *args):
+        batch = original(*args)
+        self._pieces[batch] = next(self._writes)
+        return batch
+
+    def _wait(self, original, writes, batch):
+        number = self._pieces[batch]
+        status = original(writes, batch)
+        self.add(f"write {number} ended")
+        return -1 if number == self._failing_write else status
 
     def _note(self, original, *args, **kwargs):
         self.add("note")
@@ -315,14 +354,18 @@ class PieceTimeline:
         return self.events.index(first) < self.events.index(then)
 
 
-def test_the_next_piece_is_gathered_while_one_is_on_the_wire(deployments, monkeypatch):
+WRITE_PATHS = ("parts", "executor")
+
+
+@pytest.mark.parametrize("path", WRITE_PATHS)
+def test_the_next_piece_is_gathered_while_one_is_on_the_wire(deployments, monkeypatch, path):
     """Three pieces through two slots: piece 1 is gathered during piece 0's engine call, piece 2
     only into a slot whose call ended, and the note follows the last call; bytes are sglang's."""
     deployment = deployments([256] * 8, 0, seed=21)  # 2 KiB pages: 8 per 16 KiB slot
     rng = np.random.default_rng(22)
     src_pages, host_pages = fragmented(rng, 24, np.int64), fragmented(rng, 24)
     expected = deployment.sglang_bytes(src_pages, host_pages, None)
-    timeline = PieceTimeline(monkeypatch, deployment)
+    timeline = PieceTimeline(monkeypatch, deployment, path)
     info = deployment.request(5, host_pages, None)
     assert deployment.send(info, src_pages, slice(0, 24)) == 0
     assert timeline.before("gather 1 ended", "write 0 ended")  # overlap
@@ -335,13 +378,14 @@ def test_the_next_piece_is_gathered_while_one_is_on_the_wire(deployments, monkey
     np.testing.assert_array_equal(deployment.destination.tensor.numpy(), expected)
 
 
-def test_a_failed_piece_fails_the_send_without_a_note(deployments, monkeypatch):
+@pytest.mark.parametrize("path", WRITE_PATHS)
+def test_a_failed_piece_fails_the_send_without_a_note(deployments, monkeypatch, path):
     """Piece 1's call fails: the send returns sglang's -1, no piece is gathered after the
     failure was seen, the decode gets no note (it scatters nothing), and every slot comes back."""
     deployment = deployments([256] * 8, 0, seed=23)
     rng = np.random.default_rng(24)
     src_pages, host_pages = fragmented(rng, 40, np.int64), fragmented(rng, 40)  # five pieces
-    timeline = PieceTimeline(monkeypatch, deployment, failing_write=1)
+    timeline = PieceTimeline(monkeypatch, deployment, path, failing_write=1)
     info = deployment.request(6, host_pages, None)
     assert deployment.send(info, src_pages, slice(0, 40)) == -1
     assert all_slots_back(timeline._staging)
@@ -354,6 +398,44 @@ def test_a_failed_piece_fails_the_send_without_a_note(deployments, monkeypatch):
     deployment.deliver(6, KV_POLL_FAILED)
     assert deployment.decode.request_status[6] == KV_POLL_FAILED
     assert not deployment.destination.tensor.numpy().any()  # nothing scattered
+
+
+def test_a_host_piece_goes_in_parts_each_on_the_wire_before_the_next_is_gathered(
+    deployments, monkeypatch
+):
+    """One piece (a 16 KiB slot: 4 pages of 16 buffers) in four parts: each part's write starts
+    right after its gather and before the next part's, the writes tile the piece, and the
+    decode gets sglang's bytes."""
+    deployment = deployments([256] * 16, 0, seed=25)
+    rng = np.random.default_rng(26)
+    src_pages, host_pages = fragmented(rng, 4, np.int64), fragmented(rng, 4)
+    expected = deployment.sglang_bytes(src_pages, host_pages, None)
+    piece_bytes = 4 * 16 * 256
+    monkeypatch.setattr(staged_send, "PART_BYTES", piece_bytes // 4)
+    events, writes = [], []
+    gather_loop = staged_send.gather_in_parts.__globals__["gather_loop"]
+
+    def logged_loop(entries, *args):
+        events.append(f"gather {len(entries)} buffers")
+        return gather_loop(entries, *args)
+
+    def logged_submit(writes_, session, src, dst, nbytes):
+        events.append("write")
+        writes.append((src, dst, nbytes))
+        return submit(writes_, session, src, dst, nbytes)
+
+    submit = adapter.AsyncWrites.submit
+    monkeypatch.setitem(staged_send.gather_in_parts.__globals__, "gather_loop", logged_loop)
+    monkeypatch.setattr(adapter.AsyncWrites, "submit", logged_submit)
+    info = deployment.request(8, host_pages, None)
+    assert deployment.send(info, src_pages, slice(0, 4)) == 0
+    assert events == ["gather 4 buffers", "write"] * 4
+    srcs, dsts, lens = (np.array(column) for column in zip(*writes, strict=True))
+    assert (lens == piece_bytes // 4).all()
+    assert (np.diff(srcs) == lens[:-1]).all() and (np.diff(dsts) == lens[:-1]).all()
+    deployment.deliver(8)
+    assert deployment.decode.request_status[8] == KV_POLL_SUCCESS
+    np.testing.assert_array_equal(deployment.destination.tensor.numpy(), expected)
 
 
 def test_a_refused_note_fails_the_request_instead_of_landing_partial_kv(deployments):

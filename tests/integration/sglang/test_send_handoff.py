@@ -23,10 +23,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from sglang_plugin_support import ORIGINALS, hooked_send, make_manager, send_outcome
 from sglang_send_scenarios import LAYOUT_KINDS, SendScenario, send_scenarios
+from suite_support import set_knob
 
 from gpu_planner import settings as gp_settings
 from gpu_planner.integration.mooncake import handoff
-from gpu_planner.integration.sglang.adapter import sglang_handoff
+from gpu_planner.integration.sglang.adapter import sglang_async_writes, sglang_handoff
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")
@@ -148,6 +149,62 @@ def test_forced_lists_reach_an_arrays_engine_as_lists(monkeypatch):
     assert forced.form == handoff.LISTS
     assert forced.call("peer", [1], [2], [3]) == 0
     assert raw.argument_types == {list}
+
+
+class AsyncArraysEngine(ArraysEngine):
+    """A raw 0.3.14 engine's asynchronous writes: batch ids from 1; `status` per batch."""
+
+    def __init__(self, submit_error: Exception | None = None, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.submit_error = submit_error
+        self.status: dict[int, int | Exception] = {}
+
+    def batch_transfer_async_write_arrays(self, session: str, srcs, dsts, lens) -> int:
+        if self.submit_error is not None:
+            raise self.submit_error
+        self._record(session, srcs, dsts, lens)
+        return len(self.calls)
+
+    def get_batch_transfer_status(self, batch_ids: list[int]) -> int:
+        (batch,) = batch_ids
+        status = self.status.get(batch, 0)
+        if isinstance(status, Exception):
+            raise status
+        return status
+
+
+def test_async_writes_only_where_a_hook_calls_the_engine_and_it_writes_asynchronously(
+    monkeypatch,
+):
+    assert sglang_async_writes(sglang_wrapper(AsyncArraysEngine())) is not None
+    assert sglang_async_writes(sglang_wrapper(ArraysEngine())) is None  # no asynchronous writes
+    assert sglang_async_writes(sglang_wrapper(ListEngine())) is None
+
+    class OwnWrapper(MooncakeTransferEngine):  # its own send: the hook makes its calls
+        def batch_transfer_sync(self, *args) -> int:
+            return 0
+
+    own = object.__new__(OwnWrapper)
+    own.engine = AsyncArraysEngine()
+    assert sglang_async_writes(own) is None
+    set_knob(monkeypatch, gp_settings.HANDOFF.name, "lists")
+    assert sglang_async_writes(sglang_wrapper(AsyncArraysEngine())) is None
+
+
+def test_async_writes_give_sglangs_statuses():
+    """One descriptor of int64 arrays per write; whatever the engine raises or reports as a
+    failure is -1, as sglang's wrapper gives it; a write that did not start ends -1."""
+    raw = AsyncArraysEngine()
+    writes = sglang_async_writes(sglang_wrapper(raw))
+    batch = writes.submit("peer", 4096, 8192, 512)
+    assert raw.calls == [("peer", [4096], [8192], [512])] and raw.argument_types == {np.ndarray}
+    assert writes.wait(batch) == 0
+    raw.status = {batch: 1, batch + 1: RuntimeError("engine gone")}
+    assert writes.wait(batch) == -1
+    assert writes.wait(writes.submit("peer", 1, 2, 3)) == -1
+    assert writes.wait(0) == -1
+    raw.submit_error = TypeError("incompatible function arguments")
+    assert writes.submit("peer", 1, 2, 3) == 0
 
 
 # Two real Mooncake engines over TCP, through sglang's wrapper and the hooked send.
