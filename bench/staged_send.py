@@ -30,7 +30,7 @@ slots). Variants, interleaved:
   this wire;
 - `scatter`: what the decode does next, timed on this machine (in production
   the peer's process runs it): the `Staged` note's chunks scattered
-  (`scatter_layout`, `scatter_head_slices`) from a host buffer of the
+  (`chunk_scatter_layout`, `scatter_head_slices`) from a host buffer of the
   reservation's size into host KV buffers of the decode's sizes, by the
   request's pages, as `receive_staging.ReceiveRegion` does.
 
@@ -226,7 +226,7 @@ class DecodeScatter:
     buffers (`pool_pages` pages of each of `item_lens`, one after another);
     `note` (the prefill's `Staged` note, set before a call) names the chunks.
     A call scatters them as `ReceiveRegion._scatter` does: one
-    `scatter_layout` and one `scatter_head_slices` per chunk.
+    `chunk_scatter_layout` and one `scatter_head_slices` per chunk.
     """
 
     def __init__(
@@ -244,23 +244,23 @@ class DecodeScatter:
         self.note: Any = None
 
     def __call__(self) -> None:
-        from gpu_planner.head_scatter import scatter_head_slices, scatter_layout
+        from gpu_planner.head_scatter import scatter_head_slices
+        from gpu_planner.integration.sglang.receive_staging import chunk_scatter_layout
         from gpu_planner.integration.sglang.staging_wire import chunk_offset, writer_part
 
         note = self.note
         entries = note.entries.tolist()
-        dst_ptrs = [self.ptrs[entry] for entry in entries]
-        page_lens = [self.item_lens[entry] for entry in entries]
+        dst_ptrs = tuple(self.ptrs[entry] for entry in entries)
+        page_lens = tuple(self.item_lens[entry] for entry in entries)
         dst_lens = [self.lens[entry] for entry in entries]
         part, _ = writer_part(self.staging.size, note.writers, note.writer)
         for start, count in note.chunks.tolist():
-            layout = scatter_layout(
-                dst_ptrs, page_lens, self.page_size, writers=note.writers, writer=note.writer,
-                staged_base=part + chunk_offset(self.page_bytes, note.writers, start),
-                num_pages=count,
-            )  # fmt: skip
+            layout = chunk_scatter_layout(
+                dst_ptrs, page_lens, self.page_size, note.writers, note.writer, count
+            )
+            base = part + chunk_offset(self.page_bytes, note.writers, start)
             scatter_head_slices(
-                layout, self.pages[start : start + count], self.staging, dst_lens,
+                layout, self.pages[start : start + count], self.staging[base:], dst_lens,
                 dst_is_device=note.is_device,
             )  # fmt: skip
 

@@ -53,6 +53,7 @@ from gpu_planner import settings
 from gpu_planner.cuda_runtime import cuda_runtime
 from gpu_planner.cuda_streams import on_torch_device
 from gpu_planner.head_scatter import scatter_head_slices, scatter_layout
+from gpu_planner.head_slices import HeadSliceLayout
 from gpu_planner.inputs import HOST
 from gpu_planner.integration.sglang.counters import record_receive_fallback, record_scatter
 from gpu_planner.integration.sglang.fallback import log_fallback_once
@@ -97,6 +98,23 @@ class Lending:
         return np.array_equal(self.host_pages, host_pages) and (
             device_pages is None or np.array_equal(self.device_pages, device_pages)
         )
+
+
+@settings.sized_cache(settings.LAYOUT_CACHE_SIZE)
+def chunk_scatter_layout(
+    dst_ptrs: tuple[int, ...],
+    dst_page_lens: tuple[int, ...],
+    page_size: int,
+    writers: int,
+    writer: int,
+    num_pages: int,
+) -> HeadSliceLayout:
+    """`scatter_layout` of one writer's chunk of `num_pages` pages, from the start of its staged
+    bytes: the same for every such chunk into these buffers, so each is built (and checked)
+    once; the scatter reads the staging from the chunk's start."""
+    return scatter_layout(
+        dst_ptrs, dst_page_lens, page_size, writers=writers, writer=writer, num_pages=num_pages
+    )
 
 
 class ReceiveRegion:
@@ -321,30 +339,25 @@ class ReceiveRegion:
 
     def _scatter(self, lending: Lending, staged: Staged, chunks: list[tuple[int, int]]) -> None:
         """Scatter each chunk into its pages; on a device, record the event Success waits for."""
-        entries = staged.entries
-        dst_ptrs = [int(self._kv.kv_data_ptrs[entry]) for entry in entries]
-        dst_page_lens = [int(self._kv.kv_item_lens[entry]) for entry in entries]
+        entries = staged.entries.tolist()
+        dst_ptrs = tuple(int(self._kv.kv_data_ptrs[entry]) for entry in entries)
+        dst_page_lens = tuple(int(self._kv.kv_item_lens[entry]) for entry in entries)
         dst_lens = [int(self._kv.kv_data_lens[entry]) for entry in entries]
         part, _ = writer_part(lending.reservation.nbytes, staged.writers, staged.writer)
         device_pages = lending.device_pages
+        page_size = int(self._kv.page_size)
         runtime = cuda_runtime()
         with on_torch_device(self.torch_device):
             for start, count in chunks:
                 base = lending.reservation.offset + part
                 base += chunk_offset(self._page_bytes, staged.writers, start)
-                layout = scatter_layout(
-                    dst_ptrs,
-                    dst_page_lens,
-                    int(self._kv.page_size),
-                    writers=staged.writers,
-                    writer=staged.writer,
-                    staged_base=base,
-                    num_pages=count,
+                layout = chunk_scatter_layout(
+                    dst_ptrs, dst_page_lens, page_size, staged.writers, staged.writer, count
                 )
                 scatter_head_slices(
                     layout,
                     lending.host_pages[start : start + count],
-                    self.region,
+                    self.region[base:],
                     dst_lens,
                     dst_device_pages=None
                     if device_pages is None
