@@ -20,7 +20,10 @@ The decode's own buffer lengths are not in sglang's registration (pointers and
 item lengths only), so a destination is bounded by its page index (>= 0) and
 its slot; Mooncake itself refuses remote ranges outside the peer's registered
 memory. A violation raises `OutOfRange`; the hook turns it into sglang's
-failed-send status with `refuse`.
+failed-send status with `refuse`. The generic send's planner finds the same
+faults in the scan it makes anyway (its layout's source lengths are the room a
+registration leaves each buffer, `registered_room_of`); these checks then only
+say which (`send._plan`).
 """
 
 from __future__ import annotations
@@ -36,6 +39,9 @@ from gpu_planner import settings
 from gpu_planner.inputs import INT64_MAX
 
 logger = logging.getLogger(__name__)
+
+# The prefill's registered buffers as `registration` gives them: (pointers, lengths).
+Registration = tuple[tuple[int, ...], tuple[int, ...]]
 
 _refused_peers: set[str] = set()
 _refused_lock = threading.Lock()
@@ -181,7 +187,7 @@ def check_sources(
 
 @settings.sized_cache(settings.LAYOUT_CACHE_SIZE)
 def _kept_limit(
-    registered: tuple[tuple[int, ...], tuple[int, ...]],
+    registered: Registration,
     ptrs: Sequence[int],
     page_lens: Sequence[int] | int,
     last_offsets: Sequence[int] | int,
@@ -192,7 +198,7 @@ def _kept_limit(
 
 
 def _source_limits(
-    registered: tuple[tuple[int, ...], tuple[int, ...]],
+    registered: Registration,
     ptrs: Sequence[int],
     page_lens: Sequence[int] | np.ndarray | int,
     last_offsets: Sequence[int] | np.ndarray | int,
@@ -220,9 +226,7 @@ def registered_room(kv_args: Any, ptrs: np.ndarray) -> np.ndarray:
     return registered_room_of(registration(kv_args), ptrs)
 
 
-def registered_room_of(
-    registered: tuple[tuple[int, ...], tuple[int, ...]], ptrs: np.ndarray
-) -> np.ndarray:
+def registered_room_of(registered: Registration, ptrs: np.ndarray) -> np.ndarray:
     """`registered_room` of a `registration(kv_args)` (its pointers and lengths)."""
     return _room(_regions(*registered), ptrs)
 
@@ -233,7 +237,7 @@ def _room(regions: tuple[np.ndarray, np.ndarray], ptrs: np.ndarray) -> np.ndarra
     return reach[holder] - ptrs
 
 
-def registration(kv_args: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
+def registration(kv_args: Any) -> Registration:
     """(pointers, lengths) of the buffers the prefill registered, paired as sglang pairs them.
 
     All that `registered_room` reads of `kv_args`: a key for what is built from it.

@@ -45,6 +45,8 @@ def send_kvcache_generic_hook(manager: conn.MooncakeKVManager, *args, **kwargs) 
         planned = _plan(manager, call, entries)
     except bounds.OutOfRange as error:
         return bounds.refuse(call.mooncake_session_id, error)
+    except gp.BoundsError as error:  # a source read outside the registration (`_plan`)
+        return bounds.refuse(call.mooncake_session_id, bounds.OutOfRange(str(error)))
     except gp.PlanValidationError as error:
         raise Fallback(f"the planner rejected a send ({error})", key="planner rejected") from None
     if planned is None:
@@ -55,7 +57,7 @@ def send_kvcache_generic_hook(manager: conn.MooncakeKVManager, *args, **kwargs) 
         call.mooncake_session_id,
         call.prefill_data_indices,
         call.dst_data_indices,
-        buffers.staged_entries(call.dst_device_data_ptrs),
+        buffers.staged_entries(plan.layout, call.dst_device_data_ptrs),
         plan.num_descriptors,
         call.executor,
     )
@@ -115,8 +117,8 @@ class PlannedBuffers:
     A destination space with an empty page list has no runs, so which buffers
     a send plans depends on which of its page lists have pages
     (`PeerBuffers.planned`). What is here is per buffer, built once, the same
-    for every such send: the columns the bounds check reads, the layout, the
-    staged send's entries.
+    for every such send: the columns the bounds check reads, the layout (per
+    registration of the prefill's memory), the staged send's entries.
     """
 
     def __init__(self, entries: list[Entry], is_device: tuple[bool, ...] | None) -> None:
@@ -124,21 +126,35 @@ class PlannedBuffers:
         self.is_device = is_device  # None: every buffer planned against one page list
         # Each buffer's runs cover every page once: a send's bytes are its pages times this.
         self.page_bytes = sum(int(item_len) for item_len in self.item_lens)
-        self._layout: gp.BufferLayout | None = None
+        # (registration, layout): one pair, replaced whole (a send reads it in one step).
+        self._bounded: tuple[bounds.Registration, gp.BufferLayout] | None = None
         self._staged: StagedEntries | None = None
 
-    def layout(self) -> gp.BufferLayout:
-        """The (validated, read-only) layout; `PlanValidationError` every time it is invalid."""
-        if self._layout is None:
-            self._layout = gp.BufferLayout(
+    def layout(self, registered: bounds.Registration) -> gp.BufferLayout:
+        """The (validated, read-only) layout whose source lengths are the room the prefill's
+        registration `registered` leaves each buffer: the plan's own scan refuses a read
+        outside it. Built once per registration; `PlanValidationError` every time it is
+        invalid."""
+        bounded = self._bounded
+        if bounded is None or bounded[0] != registered:
+            checked = gp.BufferLayout(  # the buffers' own values checked first, by name
                 self.src_ptrs, self.dst_ptrs, self.item_lens, dst_is_device=self.is_device
             )
-        return self._layout
+            rooms = np.maximum(bounds.registered_room_of(registered, checked.src_ptrs), 0)
+            layout = gp.BufferLayout(
+                checked.src_ptrs, checked.dst_ptrs, checked.item_lens,
+                dst_is_device=self.is_device, src_lens=rooms,
+            )  # fmt: skip
+            bounded = self._bounded = (registered, layout)
+        return bounded[1]
 
-    def staged_entries(self, dst_device_ptrs: set[int] | None) -> StagedEntries:
-        """These buffers as the staged send takes them (`dst_device_ptrs`: the peer's, as keyed)."""
+    def staged_entries(
+        self, layout: gp.BufferLayout, dst_device_ptrs: set[int] | None
+    ) -> StagedEntries:
+        """These buffers (`layout`: one of theirs) as the staged send takes them
+        (`dst_device_ptrs`: the peer's, as keyed)."""
         if self._staged is None:
-            self._staged = StagedEntries.of_plan(self.layout(), dst_device_ptrs)
+            self._staged = StagedEntries.of_plan(layout, dst_device_ptrs)
         return self._staged
 
 
@@ -224,8 +240,14 @@ def _plan(
 
     A destination space with an empty page list has no runs (sglang's
     `group_concurrent_contiguous` returns none when either side is empty), so
-    its buffers move nothing and are left out of the layout. Raises
-    `bounds.OutOfRange` for pages or buffers out of range (`_check_bounds`).
+    its buffers move nothing and are left out of the layout.
+
+    The plan's own scan finds a negative page and a source read outside the
+    prefill's registered memory (the layout's source lengths: `PlannedBuffers.layout`),
+    on the pages it reads anyway. Where it refuses a send, `_check_bounds` says
+    why (`bounds.OutOfRange`, naming sglang's field); a `gp.BoundsError` it does
+    not account for is still a source read outside the registration (the layout
+    bounds no destination), which the caller refuses as well.
     """
     src_pages = call.prefill_data_indices
     peer = _peer_buffers(entries, call.dst_device_data_ptrs)
@@ -234,18 +256,22 @@ def _plan(
     buffers = peer.planned(host_live, device_live)
     if buffers is None:
         return None
-    _check_bounds(manager, call, buffers.src_ptrs, buffers.item_lens, host_live, device_live)
+    layout = buffers.layout(bounds.registration(manager.kv_args))
     if host_live:
         dst_pages = call.dst_data_indices
         device_pages = call.dst_device_data_indices if device_live else None
     else:
         dst_pages, device_pages = call.dst_device_data_indices, None
     max_batch_pages = 0 if _uses_per_layer_futures(manager) else manager.max_transfer_batch_indices
-    plan = gp.plan_transfer(
-        src_pages,
-        dst_pages,
-        buffers.layout(),
-        dst_device_pages=device_pages,
-        max_batch_pages=max(max_batch_pages, 0),
-    )
+    try:
+        plan = gp.plan_transfer(
+            src_pages,
+            dst_pages,
+            layout,
+            dst_device_pages=device_pages,
+            max_batch_pages=max(max_batch_pages, 0),
+        )
+    except gp.PlanValidationError:
+        _check_bounds(manager, call, buffers.src_ptrs, buffers.item_lens, host_live, device_live)
+        raise
     return plan, buffers

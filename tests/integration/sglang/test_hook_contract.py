@@ -282,7 +282,7 @@ CASES = {
     "generic": {
         "entries": stage(GENERIC, send, "transfer_entries"),
         "input-check": stage(GENERIC, send, "_check_supported", ValueError),
-        "bounds": stage(GENERIC, bounds, "check_sources", IndexError),
+        "bounds": stage(GENERIC, bounds, "registration", IndexError),
         "plan": stage(GENERIC, gp, "plan_transfer"),
         "plan-out-of-memory": stage(GENERIC, gp, "plan_transfer", OutOfMemory),
         "plan-rejected": stage(

@@ -318,6 +318,37 @@ def test_an_unregistered_source_buffer_is_refused():
     assert (actual["status"], actual["calls"]) == (-1, [])
 
 
+def test_a_generic_send_is_bounded_by_the_registration_it_meets(caplog):
+    """The plan's layout keeps its sources' room per registration: a registration that shrinks
+    (or grows back) between two sends of the same buffers bounds the next send."""
+    scenario = mla_scenario()  # pages 10 and 11 of 576 bytes: 12 pages' bytes needed
+    manager = make_manager(engine := RecordingEngine(), **scenario.manager)
+    send = hooked_send()
+    outcomes = []
+    with caplog.at_level(logging.ERROR, logger=bounds.logger.name):
+        for pages in (12, 11, 12):
+            manager.kv_args.kv_data_lens = [pages * 576] * 2
+            engine.calls.clear()
+            status = send(manager, **scenario.call, executor=EXECUTOR)
+            outcomes.append((status, len(engine.calls)))
+    assert outcomes == [(0, 1), (-1, 0), (0, 1)]
+    [message] = refusals(caplog)
+    assert "page 11 of prefill_data_indices" in message and "6336 registered bytes" in message
+
+
+def test_a_source_read_the_planner_refuses_is_refused_whatever_the_message_check_says(
+    monkeypatch,
+):
+    """The planner's scan is what finds a read outside the registration; the check that names
+    it runs after. Were that check ever to miss it, the send is still refused, not handed to
+    sglang's code (which would read it)."""
+    from gpu_planner.integration.sglang import send as generic_send
+
+    monkeypatch.setattr(generic_send, "_check_bounds", lambda *args: None)
+    actual = generic_outcome(hooked_send(), mla_scenario(), [11 * 576] * 2)
+    assert (actual["status"], actual["error"], actual["calls"]) == (-1, None, [])
+
+
 def test_a_hostile_registration_moves_no_byte_between_real_engines():
     """Two real Mooncake engines: the decode registers 4 MiB pages for 6,400-byte prefill buffers.
 
