@@ -14,9 +14,10 @@ long the holder ran in it) and the longest wait of a ready thread for the GIL
 (what sglang's scheduler would feel).
 
 Each send is timed twice: interleaved with the other (the harness's rule, the
-headline: a load change hits both alike; each call follows the other send's,
-whose memory churn it meets), and `alone`, its calls one after another (a
-process that only ever runs this send). The two differ where a call's cost is
+headline: a load change hits both alike; in its balanced orders a call follows
+the other send's, whose memory churn it meets, or its own, as the two sends'
+sample counts fall), and `alone`, its calls one after another (a process that
+only ever runs this send). The two differ where a call's cost is
 memory that must be faulted in: at page size 1 the engine's binding copies the
 three columns (24 bytes per descriptor) into fresh memory, which after sglang's
 send (whose freed objects glibc keeps) is already mapped.
