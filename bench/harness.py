@@ -39,15 +39,35 @@ class Timing:
     # (round, seconds) of each sample where they were interleaved (`measure_interleaved`;
     # a warm-up taken as a sample is round -1): what `paired_ratio` pairs. Not in `as_dict`.
     rounds: tuple[tuple[int, float], ...] = dataclasses.field(default=(), repr=False)
+    # Beside `rounds`: the stage whose call ran right before each sample (None: none did).
+    after: tuple[str | None, ...] = dataclasses.field(default=(), repr=False)
 
     @classmethod
-    def from_samples(cls, samples: list[float], rounds: Sequence[int] | None = None) -> Timing:
+    def from_samples(
+        cls,
+        samples: list[float],
+        rounds: Sequence[int] | None = None,
+        after: Sequence[str | None] | None = None,
+    ) -> Timing:
         p10, median, p90 = np.percentile(samples, [10, 50, 90])
         paired = () if rounds is None else tuple(zip(rounds, samples, strict=True))
-        return cls(float(median), float(p10), float(p90), len(samples), paired)
+        previous = () if after is None else tuple(after)
+        return cls(float(median), float(p10), float(p90), len(samples), paired, previous)
 
     def as_dict(self) -> dict[str, float | int]:
         return {"median": self.median, "p10": self.p10, "p90": self.p90, "repeats": self.repeats}
+
+    def medians_after(self) -> dict[str, dict[str, float | int]]:
+        """Interleaved: by the stage that ran right before, the median of those samples and
+        their count (what one stage leaves in the caches, or cold, the next pays)."""
+        by_stage: dict[str, list[float]] = {}
+        for previous, (_, seconds) in zip(self.after, self.rounds, strict=True):
+            if previous is not None:
+                by_stage.setdefault(previous, []).append(seconds)
+        return {
+            name: {"median": float(np.median(values)), "samples": len(values)}
+            for name, values in by_stage.items()
+        }
 
 
 def paired_ratio(
@@ -165,18 +185,25 @@ def measure_interleaved(stages: dict[str, Stage], policy: RepeatPolicy) -> dict[
     rounds take their order from `balanced_orders`, so each stage runs right
     after each other alike (what one leaves in the caches, or cold, the next
     pays), in whole cycles of them; a stage sampled in fewer rounds than the
-    others takes each order in turn (`_sample_rounds`).
+    others takes each order in turn (`_sample_rounds`). Each sample keeps its
+    round and the stage whose call ran right before it (`Timing.medians_after`):
+    where stages are sampled unequally often, a stage follows itself in the
+    rounds the others skip.
     """
     gc.collect()
     gc.disable()
     try:
         samples: dict[str, list[float]] = {}
         rounds_of: dict[str, list[int]] = {}
+        after_of: dict[str, list[str | None]] = {}
         needed: dict[str, int] = {}
+        previous: str | None = None  # the stage whose call ran last
         for name, stage in stages.items():
             warmup = stage.timer(stage.call)
             samples[name] = [warmup] if warmup >= SLOW_CALL_S else []
             rounds_of[name] = [-1] * len(samples[name])
+            after_of[name] = [previous] * len(samples[name])
+            previous = name
             if warmup < SLOW_CALL_S:  # a first call is often slow: it would leave too few
                 warmup = min(warmup, stage.timer(stage.call))
             wanted = int(policy.budget_s / max(warmup, 1e-9))
@@ -192,6 +219,11 @@ def measure_interleaved(stages: dict[str, Stage], policy: RepeatPolicy) -> dict[
                 if takes[name][round_index]:
                     samples[name].append(stages[name].timer(stages[name].call))
                     rounds_of[name].append(round_index)
+                    after_of[name].append(previous)
+                    previous = name
     finally:
         gc.enable()
-    return {name: Timing.from_samples(values, rounds_of[name]) for name, values in samples.items()}
+    return {
+        name: Timing.from_samples(values, rounds_of[name], after_of[name])
+        for name, values in samples.items()
+    }

@@ -179,7 +179,18 @@ def format_table(results: list[dict[str, Any]]) -> str:
                 f"{send['status']}), hooked hand-off: {send['handoff']}"
             )
             lines += _aligned(SEND_COLUMNS, send_path_rows(send))
+            lines.append("  " + send_path_after(send))
     return "\n".join(lines)
+
+
+def send_path_after(send: dict[str, Any]) -> str:
+    """Each send's interleaved median by the send that ran right before its samples."""
+    parts = [
+        f"{variant} after {previous} {format_seconds(figures['median'])} ({figures['samples']})"
+        for variant in ("sglang", "hooked")
+        for previous, figures in sorted(send[variant]["after"].items())
+    ]
+    return "interleaved, by the send before (samples): " + ", ".join(parts)
 
 
 def write_json(path: Path, document: dict[str, Any]) -> None:

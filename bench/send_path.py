@@ -16,11 +16,12 @@ long the holder ran in it) and the longest wait of a ready thread for the GIL
 Each send is timed twice: interleaved with the other (the harness's rule, the
 headline: a load change hits both alike; in its balanced orders a call follows
 the other send's, whose memory churn it meets, or its own, as the two sends'
-sample counts fall), and `alone`, its calls one after another (a process that
-only ever runs this send). The two differ where a call's cost is
-memory that must be faulted in: at page size 1 the engine's binding copies the
-three columns (24 bytes per descriptor) into fresh memory, which after sglang's
-send (whose freed objects glibc keeps) is already mapped.
+sample counts fall: `after` splits its samples by which), and `alone`, its
+calls one after another (a process that only ever runs this send). The two
+differ where a call's cost is memory that must be faulted in: at page size 1
+the engine's binding copies the three columns (24 bytes per descriptor) into
+fresh memory, which after sglang's send (whose freed objects glibc keeps) is
+already mapped.
 """
 
 from __future__ import annotations
@@ -138,10 +139,11 @@ def measure_sends(
     at most, interleaved, with the garbage collector on as in sglang's process
     (the timed calls have it off, `bench.harness`).
 
-    Per send: its timing figures and `gil_figures`, with `keep_rounds` also
-    `rounds`, its timed samples as (round, seconds) pairs (`harness.paired_ratio`);
-    with both sglang's and the hooked send, also `speedup` (sglang's median over
-    the hooked one's).
+    Per send: its timing figures, `after` (the median and count of its timed
+    samples by the send that ran right before each, `Timing.medians_after`) and
+    `gil_figures`, with `keep_rounds` also `rounds`, its timed samples as (round,
+    seconds) pairs (`harness.paired_ratio`); with both sglang's and the hooked
+    send, also `speedup` (sglang's median over the hooked one's).
     """
     timings = measure_interleaved({name: Stage(send) for name, send in sends.items()}, policy)
     calls = {name: min(timing.repeats, GIL_CALLS) for name, timing in timings.items()}
@@ -153,7 +155,12 @@ def measure_sends(
                     windows[name].append(monitor.window(send))
         realtime = monitor.realtime
     figures: dict[str, Any] = {
-        name: {**timings[name].as_dict(), **gil_figures(windows[name], realtime)} for name in sends
+        name: {
+            **timings[name].as_dict(),
+            "after": timings[name].medians_after(),
+            **gil_figures(windows[name], realtime),
+        }
+        for name in sends
     }
     if keep_rounds:
         for name in sends:

@@ -150,6 +150,37 @@ def test_a_stage_taking_half_the_samples_runs_in_every_order_alike():
     assert min(per_order.values()) >= 16
 
 
+def test_each_sample_keeps_the_stage_that_ran_right_before_it():
+    """A stage sampled in every round follows itself in the rounds a slower one skips; its
+    samples split by the stage before (here: twice as long after the slow one)."""
+    last: list[str | None] = [None]
+
+    def timer_of(name: str):
+        def timer(fn) -> float:
+            previous, last[0] = last[0], name
+            return {"fast": 1e-3, "slow": 4e-3}[name] * (2 if previous == "slow" else 1)
+
+        return timer
+
+    stages = {name: Stage(lambda: None, timer=timer_of(name)) for name in ("fast", "slow")}
+    policy = RepeatPolicy(budget_s=0.04, min_repeats=1, max_repeats=40)
+    timings = measure_interleaved(stages, policy)
+    fast = timings["fast"]
+    assert (fast.repeats, timings["slow"].repeats) == (40, 10)
+    assert all(
+        seconds == (2e-3 if previous == "slow" else 1e-3)
+        for previous, (_, seconds) in zip(fast.after, fast.rounds, strict=True)
+    )
+    after = fast.medians_after()
+    assert after == {
+        "fast": {"median": 1e-3, "samples": after["fast"]["samples"]},
+        "slow": {"median": 2e-3, "samples": after["slow"]["samples"]},
+    }
+    assert after["slow"]["samples"] >= 8 and after["fast"]["samples"] >= 20
+    assert after["fast"]["samples"] + after["slow"]["samples"] == 40
+    assert "after" not in fast.as_dict()
+
+
 def harness_timer(name: str):
     """Stage "d" takes 6 ms, every other 3 ms: a fixed timer, nothing slept."""
     seconds = 6e-3 if name == "d" else 3e-3
