@@ -16,7 +16,7 @@ buffer must hold. The gather writes token `t`'s slice at
 send writes, and nothing else.
 
 Safety: every argument is checked before a byte is written, else a
-`PlanValidationError` names the argument, layer and page at fault. Reads stay
+`PlanValidationError` names the argument, entry and page at fault. Reads stay
 in the registered source buffers (`src_lens`: the largest page's last slice
 ends inside each), writes in the staging region (each slice inside its staged
 page; the region large enough and apart from the sources).
@@ -24,20 +24,16 @@ page; the region large enough and apart from the sources).
 
 from __future__ import annotations
 
-import ctypes
-import itertools
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from gpu_planner.cuda_streams import on_torch_device
 from gpu_planner.errors import PlanValidationError
-from gpu_planner.head_slices import HeadSliceLayout, PerLayer, per_layer
+from gpu_planner.head_slices import HeadSliceLayout, PerLayer
 from gpu_planner.host_copy import gather_loop
 from gpu_planner.inputs import (
-    HOST,
     INT64_MAX,
     Backend,
     IndexLike,
@@ -46,23 +42,27 @@ from gpu_planner.inputs import (
     as_page_list,
     as_tensor,
     is_integer,
-    negative_page_error,
-    resolve_backend,
 )
-from gpu_planner.kernels.launch_config import MAX_GRID_Y
 from gpu_planner.layout import BufferLayout
 from gpu_planner.plan import plan_transfer
+from gpu_planner.slice_copies import (
+    HostRegion,
+    Staging,
+    check_copies,
+    check_layout,
+    largest_page,
+    staging_and_backend,
+)
 
-
-@dataclass(frozen=True)
-class HostRegion:
-    """Host memory by address and size, such as a region registered with Mooncake."""
-
-    address: int
-    nbytes: int
-
-
-Staging = torch.Tensor | np.ndarray | HostRegion
+__all__ = [
+    "HostRegion",
+    "chunk_layout",
+    "compile_kernels",
+    "gather_head_slices",
+    "gather_in_parts",
+    "gathered_descriptors",
+    "staging_nbytes",
+]
 
 
 def chunk_layout(layout: HeadSliceLayout, entries: Sequence[int] | slice) -> HeadSliceLayout:
@@ -121,7 +121,7 @@ def gather_head_slices(
             largest page).
 
     Raises:
-        PlanValidationError: naming the argument, layer or page at fault,
+        PlanValidationError: naming the argument, entry or page at fault,
             before anything is written.
 
     Example:
@@ -206,12 +206,21 @@ def _checked_gather(
 ) -> tuple[PageList, torch.Tensor | np.ndarray, Backend, np.ndarray]:
     """The gather's pages, staging, backend and copy table, once every argument is checked
     (host staging: the table's staged bases absolute)."""
-    _check_layout(layout)
+    check_layout(layout)
     pages = as_page_list(src_pages, "src_pages")
-    largest_page = _largest_page(pages, "src_pages")
-    staging, backend = staging_and_backend(staging, backend, layout.num_layers)
-    staging_address, staging_len = _address_and_nbytes(staging)
-    _check_copies(layout, len(pages), largest_page, staging_address, staging_len, src_lens)
+    largest = largest_page(pages, "src_pages")
+    staging, backend, staging_address, staging_len = staging_and_backend(
+        staging, backend, layout.num_layers
+    )
+    check_copies(
+        layout,
+        paged_side=0,
+        num_pages=len(pages),
+        registered=src_lens,
+        largest_pages=(largest,),
+        staging=(staging_address, staging_len),
+        staged=_staged_pages(layout, len(pages)),  # whole: what `gathered_descriptors` sends
+    )
     entries = _copy_table(layout, len(pages))
     if backend == "cpu":
         entries[:, 3] += staging_address
@@ -259,7 +268,7 @@ def gathered_descriptors(
         raise PlanValidationError(
             f"staging_address: must be an integer in [0, 2**63), got {staging_address!r}"
         )
-    _check_layout(layout)
+    check_layout(layout)
     _check_whole_pages(layout)
     pages = as_page_list(dst_pages, "dst_pages")
     num_pages = len(pages)
@@ -270,7 +279,7 @@ def gathered_descriptors(
         )
     dst_page_lens = layout.geometry[1, 1]
     staged = BufferLayout(
-        src_ptrs=int(staging_address) + _staged_offsets(layout, num_pages),
+        src_ptrs=(int(staging_address) + _staged_pages(layout, num_pages)[0]).astype(np.int64),
         dst_ptrs=layout.geometry[1, 0],
         item_lens=dst_page_lens,
         src_lens=num_pages * dst_page_lens,
@@ -280,14 +289,6 @@ def gathered_descriptors(
     else:
         positions = np.arange(num_pages, dtype=np.int64)
     return plan_transfer(positions, pages, staged, backend=backend).columns_array()
-
-
-def _check_layout(layout: HeadSliceLayout) -> None:
-    if not isinstance(layout, HeadSliceLayout):
-        raise PlanValidationError(
-            f"layout: expected a HeadSliceLayout (HeadSliceLayout.build, chunk_layout), got "
-            f"{type(layout).__name__}"
-        )
 
 
 def _check_whole_pages(layout: HeadSliceLayout) -> None:
@@ -302,7 +303,7 @@ def _check_whole_pages(layout: HeadSliceLayout) -> None:
     if not whole.all():
         entry = int(np.flatnonzero(~whole)[0])
         raise PlanValidationError(
-            f"layer {entry}: staged pages would not be whole destination pages (a "
+            f"entry {entry}: staged pages would not be whole destination pages (a "
             f"{int(layout.slice_lens[entry])}-byte slice at offset "
             f"{int(dst_head_offsets[entry])} of each {int(dst_token_lens[entry])}-byte token "
             f"slot, {layout.page_size} slots in a {int(dst_page_lens[entry])}-byte page): "
@@ -310,149 +311,11 @@ def _check_whole_pages(layout: HeadSliceLayout) -> None:
         )
 
 
-def staging_and_backend(
-    staging: Staging, backend: Backend | None, num_entries: int
-) -> tuple[torch.Tensor | np.ndarray, Backend]:
-    """`staging` as bytes, and the backend that copies through it (gather and scatter alike).
-
-    `PlanValidationError` for the compiled loop on device staging, or more
-    entries than the kernel's grid takes.
-    """
-    staging = _as_staging(staging)
-    torch_device = staging.device if isinstance(staging, torch.Tensor) else HOST
-    backend = resolve_backend(backend, torch_device)
-    if backend == "cpu" and torch_device != HOST:
-        raise PlanValidationError(
-            f"backend='cpu': the compiled loop needs staging in host memory, got {torch_device}"
-        )
-    if backend == "triton" and num_entries > MAX_GRID_Y:
-        raise PlanValidationError(
-            f"layout: {num_entries} entries in one call; the kernel takes at most {MAX_GRID_Y}"
-        )
-    return staging, backend
-
-
-def _largest_page(pages: PageList, name: str) -> int:
-    """The largest page (-1 when empty); a negative one raises, naming its position."""
-    if not len(pages):
-        return -1
-    if isinstance(pages, np.ndarray):
-        smallest, largest = int(pages.min()), int(pages.max())
-    else:
-        smallest, largest = (int(value) for value in torch.aminmax(pages))
-    if smallest < 0:
-        position = int(np.flatnonzero(as_host_array(pages) < 0)[0])
-        raise negative_page_error(name, position, int(pages[position]))
-    return largest
-
-
-def _as_staging(staging: Staging) -> torch.Tensor | np.ndarray:
-    """`staging` as a writable 1-D contiguous uint8 tensor or array (a host region is viewed)."""
-    if isinstance(staging, HostRegion):
-        address, nbytes = staging.address, staging.nbytes
-        for name, value in (("address", address), ("nbytes", nbytes)):
-            if not (is_integer(value) and 0 <= value <= INT64_MAX):
-                raise PlanValidationError(
-                    f"staging.{name}: must be an integer in [0, 2**63), got {value!r}"
-                )
-        if address + nbytes > INT64_MAX or (address == 0 and nbytes):
-            raise PlanValidationError(f"staging: {nbytes} bytes at {address} is not a host region")
-        if not nbytes:
-            return np.empty(0, dtype=np.uint8)
-        return np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(address))
-    if isinstance(staging, np.ndarray):
-        usable = staging.dtype == np.uint8 and staging.ndim == 1 and staging.flags.c_contiguous
-        if usable and staging.flags.writeable:
-            return staging
-    elif isinstance(staging, torch.Tensor):
-        usable = staging.dtype == torch.uint8 and staging.dim() == 1 and staging.is_contiguous()
-        if usable:
-            return staging
-    raise PlanValidationError(
-        "staging: expected a 1-D contiguous uint8 torch tensor, a writable 1-D contiguous "
-        f"uint8 NumPy array or a HostRegion, got {_describe(staging)}"
-    )
-
-
-def _describe(value: object) -> str:
-    if isinstance(value, (np.ndarray, torch.Tensor)):
-        return f"{type(value).__name__} of dtype {value.dtype} and shape {tuple(value.shape)}"
-    return type(value).__name__
-
-
-def _address_and_nbytes(staging: torch.Tensor | np.ndarray) -> tuple[int, int]:
-    if isinstance(staging, torch.Tensor):
-        return staging.data_ptr(), staging.numel()
-    return staging.ctypes.data, staging.size
-
-
-def _staged_offsets(layout: HeadSliceLayout, num_pages: int) -> np.ndarray:
-    """int64 [entries]: where each entry's staged pages start in the staging region."""
-    starts = itertools.accumulate(layout.geometry[1, 1, :-1].tolist(), initial=0)
-    return np.array([start * num_pages for start in starts], dtype=np.int64)
-
-
-def _check_copies(
-    layout: HeadSliceLayout,
-    num_pages: int,
-    largest_page: int,
-    staging_address: int,
-    staging_len: int,
-    src_lens: PerLayer,
-) -> None:
-    """Every read inside its registered source buffer, every write inside its staged page.
-
-    Python ints (object arrays) over the entries: no sum can overflow.
-    """
-    src_ptrs, src_page_lens, src_token_lens, src_offsets = layout.geometry[0].astype(object)
-    _, dst_page_lens, dst_token_lens, dst_offsets = layout.geometry[1].astype(object)
-    slice_lens = layout.slice_lens.astype(object)
-    registered = per_layer(src_lens, "src_lens", layout.num_layers).astype(object)
-    past_int64 = np.flatnonzero(src_ptrs + registered > INT64_MAX)
-    if past_int64.size:
-        entry = int(past_int64[0])
-        raise PlanValidationError(
-            f"src_lens[{entry}] = {registered[entry]}: the source buffer at {src_ptrs[entry]} "
-            "would end past 2**63 - 1"
-        )
-    last_slot = layout.page_size - 1
-    slice_ends = last_slot * dst_token_lens + dst_offsets + slice_lens
-    outside_page = np.flatnonzero(slice_ends > dst_page_lens)
-    if outside_page.size:
-        entry = int(outside_page[0])
-        raise PlanValidationError(
-            f"layer {entry}: the head slice of token slot {last_slot} ends at byte "
-            f"{slice_ends[entry]} of a {dst_page_lens[entry]}-byte destination page "
-            "(dst_token_lens, dst_head_offsets, slice_lens)"
-        )
-    needed = staging_nbytes(layout, num_pages)
-    if staging_len < needed:
-        raise PlanValidationError(
-            f"staging: has {staging_len} bytes but {num_pages} pages of this chunk need {needed}"
-        )
-    if not num_pages:
-        return
-    read_ends = largest_page * src_page_lens + last_slot * src_token_lens + src_offsets
-    read_ends += slice_lens
-    outside_source = np.flatnonzero(read_ends > registered)
-    if outside_source.size:
-        entry = int(outside_source[0])
-        raise PlanValidationError(
-            f"layer {entry}: page {largest_page} (src_pages) reads up to byte "
-            f"{read_ends[entry]} of its source buffer, but src_lens[{entry}] = "
-            f"{registered[entry]}"
-        )
-    overlapping = np.flatnonzero(
-        (registered > 0)
-        & (src_ptrs < staging_address + needed)
-        & (src_ptrs + registered > staging_address)
-    )
-    if needed and overlapping.size:
-        entry = int(overlapping[0])
-        raise PlanValidationError(
-            f"staging: its {needed} bytes at {staging_address} overlap the source buffer of "
-            f"layer {entry} ({registered[entry]} bytes at {src_ptrs[entry]})"
-        )
+def _staged_pages(layout: HeadSliceLayout, num_pages: int) -> tuple[np.ndarray, np.ndarray]:
+    """Python ints [entries]: where each entry's staged pages start and end in the staging."""
+    sizes = layout.geometry[1, 1].astype(object) * int(num_pages)
+    ends = np.cumsum(sizes)
+    return ends - sizes, ends
 
 
 def _copy_table(layout: HeadSliceLayout, num_pages: int) -> np.ndarray:
@@ -469,7 +332,7 @@ def _copy_table(layout: HeadSliceLayout, num_pages: int) -> np.ndarray:
             src_ptrs + src_offsets,
             src_page_lens,
             src_token_lens,
-            _staged_offsets(layout, num_pages) + dst_offsets,
+            _staged_pages(layout, num_pages)[0].astype(np.int64) + dst_offsets,
             dst_page_lens,
             dst_token_lens,
             layout.slice_lens,

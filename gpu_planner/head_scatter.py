@@ -34,14 +34,6 @@ import torch
 
 from gpu_planner.cuda_streams import on_torch_device
 from gpu_planner.errors import PlanValidationError
-from gpu_planner.head_gather import (
-    HostRegion,
-    Staging,
-    _address_and_nbytes,
-    _check_layout,
-    _largest_page,
-    staging_and_backend,
-)
 from gpu_planner.head_slices import HeadSliceLayout, PerLayer, per_layer
 from gpu_planner.host_copy import scatter_loop
 from gpu_planner.inputs import (
@@ -56,10 +48,16 @@ from gpu_planner.inputs import (
     check_same_length,
     is_integer,
 )
+from gpu_planner.slice_copies import (
+    HostRegion,
+    Staging,
+    check_copies,
+    check_layout,
+    largest_page,
+    staging_and_backend,
+)
 
 __all__ = ["HostRegion", "compile_kernels", "scatter_head_slices", "scatter_layout"]
-
-_PAGE_LISTS = ("dst_pages", "dst_device_pages")  # by page space: host, device
 
 
 def scatter_layout(
@@ -185,18 +183,25 @@ def scatter_head_slices(
         >>> kv.reshape(2, 2, 8)[1].tolist()  # page 1: the second half of each slot
         [[0, 0, 0, 0, 1, 2, 3, 4], [0, 0, 0, 0, 5, 6, 7, 8]]
     """
-    _check_layout(layout)
+    check_layout(layout)
     pages = as_page_list(dst_pages, "dst_pages")
     on_device = _dst_is_device(dst_is_device, layout.num_layers)
     device_pages = _device_pages(dst_device_pages, pages, on_device)
-    largest = np.array([_largest_page(pages, "dst_pages"), -1], dtype=object)
+    largest = [largest_page(pages, "dst_pages"), -1]
     if device_pages is not None:
-        largest[1] = _largest_page(device_pages, "dst_device_pages")
-    staging, backend = staging_and_backend(staging, backend, layout.num_layers)
-    staging_address, staging_len = _address_and_nbytes(staging)
-    largest_per_entry = largest[on_device.astype(np.intp)]
-    _check_copies(
-        layout, len(pages), largest_per_entry, on_device, staging_address, staging_len, dst_lens
+        largest[1] = largest_page(device_pages, "dst_device_pages")
+    staging, backend, staging_address, staging_len = staging_and_backend(
+        staging, backend, layout.num_layers
+    )
+    check_copies(
+        layout,
+        paged_side=1,
+        num_pages=len(pages),
+        registered=dst_lens,
+        largest_pages=tuple(largest),
+        staging=(staging_address, staging_len),
+        staged=_staged_reads(layout, len(pages)),
+        spaces=on_device,
     )
     if not len(pages):
         return
@@ -260,79 +265,12 @@ def _device_pages(
     return device_pages
 
 
-def _check_copies(
-    layout: HeadSliceLayout,
-    num_pages: int,
-    largest_pages: np.ndarray,
-    on_device: np.ndarray,
-    staging_address: int,
-    staging_len: int,
-    dst_lens: PerLayer,
-) -> None:
-    """Every read inside the staging region, every write inside its buffer and page.
-
-    `largest_pages`: per entry, the largest page of its list. Python ints
-    (object arrays) over the entries: no sum can overflow.
-    """
-    staged_ptrs, staged_page_lens, staged_token_lens, staged_offsets = layout.geometry[0].astype(
-        object
-    )
-    dst_ptrs, dst_page_lens, dst_token_lens, dst_offsets = layout.geometry[1].astype(object)
-    slice_lens = layout.slice_lens.astype(object)
-    registered = per_layer(dst_lens, "dst_lens", layout.num_layers).astype(object)
-    past_int64 = np.flatnonzero(dst_ptrs + registered > INT64_MAX)
-    if past_int64.size:
-        entry = int(past_int64[0])
-        raise PlanValidationError(
-            f"dst_lens[{entry}] = {registered[entry]}: the destination buffer at "
-            f"{dst_ptrs[entry]} would end past 2**63 - 1"
-        )
-    last_slot = layout.page_size - 1
-    slice_ends = last_slot * dst_token_lens + dst_offsets + slice_lens
-    outside_page = np.flatnonzero(slice_ends > dst_page_lens)
-    if outside_page.size:
-        entry = int(outside_page[0])
-        raise PlanValidationError(
-            f"entry {entry}: the head slice of token slot {last_slot} ends at byte "
-            f"{slice_ends[entry]} of a {dst_page_lens[entry]}-byte destination page "
-            "(dst_token_lens, dst_head_offsets, slice_lens)"
-        )
-    if not num_pages:
-        return
-    read_starts = staged_ptrs + staged_offsets
-    read_ends = read_starts + (num_pages - 1) * staged_page_lens + last_slot * staged_token_lens
-    read_ends += slice_lens
-    outside_staging = np.flatnonzero(read_ends > staging_len)
-    if outside_staging.size:
-        entry = int(outside_staging[0])
-        raise PlanValidationError(
-            f"staging: has {staging_len} bytes but entry {entry} reads up to byte "
-            f"{read_ends[entry]} of it ({num_pages} staged pages of {staged_page_lens[entry]} "
-            f"bytes from byte {staged_ptrs[entry]})"
-        )
-    write_ends = largest_pages * dst_page_lens + slice_ends
-    outside_buffer = np.flatnonzero(write_ends > registered)
-    if outside_buffer.size:
-        entry = int(outside_buffer[0])
-        space = "device" if on_device[entry] else "host"
-        raise PlanValidationError(
-            f"entry {entry}: page {largest_pages[entry]} ({_PAGE_LISTS[int(on_device[entry])]}) "
-            f"writes up to byte {write_ends[entry]} of its destination buffer, but "
-            f"dst_lens[{entry}] = {registered[entry]}; the entry is {space}-backed: is the "
-            f"{space} page space right?"
-        )
-    read_start = staging_address + int(read_starts.min())
-    read_end = staging_address + int(read_ends.max())
-    overlapping = np.flatnonzero(
-        (registered > 0) & (dst_ptrs < read_end) & (dst_ptrs + registered > read_start)
-    )
-    if read_end > read_start and overlapping.size:
-        entry = int(overlapping[0])
-        raise PlanValidationError(
-            f"staging: the {read_end - read_start} bytes read at {read_start} overlap the "
-            f"destination buffer of entry {entry} ({registered[entry]} bytes at "
-            f"{dst_ptrs[entry]})"
-        )
+def _staged_reads(layout: HeadSliceLayout, num_pages: int) -> tuple[np.ndarray, np.ndarray]:
+    """Python ints [entries]: the first and the end byte of the staging each entry reads."""
+    ptrs, page_lens, token_lens, offsets = layout.geometry[0].astype(object)
+    starts = ptrs + offsets
+    ends = starts + (num_pages - 1) * page_lens + (layout.page_size - 1) * token_lens
+    return starts, ends + layout.slice_lens.astype(object)
 
 
 def _copy_table(layout: HeadSliceLayout, on_device: np.ndarray) -> np.ndarray:

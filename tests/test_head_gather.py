@@ -455,8 +455,8 @@ def test_refuses_a_negative_source_page(kv):
 
 def test_refuses_a_page_past_the_registered_source(kv):
     # Page 3 ends at byte 64; its last slice ends at 3 * 32 + 16 + 8 + 8 = 128.
-    refused(kv, r"^layer 0: page 4 \(src_pages\) reads up to byte 160 .* = 128$", pages=(0, 4))
-    refused(kv, r"^layer 0: page 3 .* up to byte 128 .*src_lens\[0\] = 127$", src_lens=127)
+    refused(kv, r"^entry 0: page 4 \(src_pages\) reads up to byte 160 .* = 128$", pages=(0, 4))
+    refused(kv, r"^entry 0: page 3 .* up to byte 128 .*src_lens\[0\] = 127$", src_lens=127)
 
 
 def test_refuses_source_lengths_past_int64(kv):
@@ -468,7 +468,7 @@ def test_refuses_source_lengths_past_int64(kv):
 def test_refuses_slices_past_their_staged_page(kv):
     refused(
         kv,
-        r"^layer 0: the head slice of token slot 1 ends at byte 17 of a 16-byte",
+        r"^entry 0: the head slice of token slot 1 ends at byte 17 of a 16-byte",
         dst_head_offsets=1,
     )
 
@@ -476,7 +476,8 @@ def test_refuses_slices_past_their_staged_page(kv):
 def test_refuses_small_staging(kv):
     refused(
         kv,
-        r"^staging: has 31 bytes but 2 pages of this chunk need 32$",
+        r"^staging: has 31 bytes but entry 0 writes up to byte 32 of it \(2 staged pages of 16 "
+        r"bytes, from byte 0\)$",
         staging=np.zeros(31, np.uint8),
     )
 
@@ -518,7 +519,9 @@ def test_refuses_bad_host_regions(kv, region, message):
 
 def test_refuses_staging_over_a_source_buffer(kv):
     refused(
-        kv, r"^staging: its 32 bytes at \d+ overlap the source buffer of layer 0", staging=kv[96:]
+        kv,
+        r"^staging: the 32 bytes written at \d+ overlap the source buffer of entry 0 \(128 bytes",
+        staging=kv[96:],
     )
 
 
@@ -582,7 +585,7 @@ def test_refuses_bad_chunk_entries(kv):
 )
 def test_descriptors_refuse_partial_pages(overrides, message):
     with pytest.raises(
-        gp.PlanValidationError, match=rf"^layer 0: staged pages would not be whole .*{message}"
+        gp.PlanValidationError, match=rf"^entry 0: staged pages would not be whole .*{message}"
     ):
         gathered_descriptors(one_entry_layout(**overrides), np.array([0]), 4096)
 

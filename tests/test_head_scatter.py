@@ -687,7 +687,7 @@ def test_refuses_reads_past_the_staging(kv):
     refused(
         kv,
         r"^staging: has 31 bytes but entry 0 reads up to byte 32 of it \(2 staged pages of 16 "
-        r"bytes from byte 0\)$",
+        r"bytes, from byte 0\)$",
         staging=np.zeros(31, np.uint8),
     )
     layout = kv_layout(kv, src_ptrs=[2**63 - 1])  # exact arithmetic: no wrap to a small offset
