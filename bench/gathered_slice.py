@@ -93,10 +93,10 @@ class GatheredSliceBench:
         from sglang.srt.plugins import load_plugins
 
         from bench.sglang_manager import make_manager
-        from gpu_planner.integration.sglang import gathered
+        from gpu_planner.integration.sglang import gathered, send_slots
 
         load_plugins()  # the gpu_planner hooks, from the installed entry point
-        self._gathered = gathered
+        self._gathered, self._send_slots = gathered, send_slots
         self.session, peer_address = peer
         src_tp, src_rank, dst_tp, dst_rank = DIRECTIONS[direction]
         src_heads, dst_heads = KV_HEADS // src_tp, KV_HEADS // dst_tp
@@ -138,7 +138,7 @@ class GatheredSliceBench:
             kv_args.kv_layer_ids, kv_args.page_size = [], PAGE_SIZE
             kv_args.engine_rank, kv_args.kv_head_num = src_rank, src_heads
             kv_args.total_kv_head_num = KV_HEADS
-            gathered.staging_for(manager)  # registered now, read from the environment
+            send_slots.SEND_SLOTS.get(manager)  # registered now, read from the environment
             self.managers[name] = manager
         os.environ.pop("GPU_PLANNER_GATHER_STAGING_BYTES")
         settings.load()
@@ -279,9 +279,9 @@ class GatheredSliceBench:
             return {"descriptors": buffers * tokens, "bytes": buffers * tokens * self.slice_len}
         from gpu_planner.reference import group_runs
 
-        staging = self._gathered.staging_for(self.managers["gathered"])
+        slots = self._send_slots.SEND_SLOTS.get(self.managers["gathered"])
         chunks = self._gathered.plan_chunks(
-            buffers, self.num_pages, self.dst_item_len, staging.slot_bytes
+            buffers, self.num_pages, self.dst_item_len, slots.slot_bytes
         )
         runs = len(group_runs(range(self.num_pages), self.dst_pages.tolist()))
         equal_tp = len(group_runs(self.src_pages.tolist(), self.dst_pages.tolist()))
@@ -296,7 +296,7 @@ class GatheredSliceBench:
 def measure(
     direction: str, layers: int, num_tokens: int, budget_s: float, verify: bool = False
 ) -> dict[str, Any]:
-    from gpu_planner.integration.sglang import staged_send
+    from gpu_planner.integration.sglang.prefill_routes import ROUTES
 
     peer_bytes, _ = peer_layout(direction, layers, num_tokens)
     with live_peer(peer_bytes) as peer:
@@ -314,7 +314,7 @@ def measure(
             policy = RepeatPolicy(budget_s=budget_s, min_repeats=2, max_repeats=20)
             figures = measure_sends(stages, policy)
         finally:
-            staged_send.forget_peers()
+            ROUTES.forget()
     for name in variants:
         figures[name].update(bench.counts(name))
     if "staged" in variants:

@@ -111,12 +111,12 @@ def _from_executor(bench: StagedSendBench) -> int:
     """The staged send with each piece written from sglang's executor (as on a device)."""
     from gpu_planner.integration.sglang import staged_send
 
-    part_writes = staged_send._part_writes
-    staged_send._part_writes = lambda *_: None
+    part_writes = staged_send.part_writes
+    staged_send.part_writes = lambda *_: None
     try:
         return bench.send_staged()
     finally:
-        staged_send._part_writes = part_writes
+        staged_send.part_writes = part_writes
 
 
 def _wall(send: Callable[[], int]) -> float:
@@ -129,7 +129,7 @@ def _wire(bench: StagedSendBench, repeats: int) -> dict[str, list[float]]:
     """The staged bytes written by Mooncake alone: one descriptor, 16 in one call, two calls."""
     write = bench.wrapper.engine.batch_transfer_sync_write_arrays
     nbytes = bench.num_pages * bench.buffers * bench.item_len
-    src, dst = bench.staging.slot(0).data_ptr(), bench.offer.capability.address
+    src, dst = bench.slots.slot(0).data_ptr(), bench.offer.capability.address
     piece = nbytes // 16
 
     def columns(count: int, size: int) -> tuple[np.ndarray, ...]:

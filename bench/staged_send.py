@@ -145,19 +145,14 @@ def offered(session: str, capability: Any) -> Iterator[None]:
     Stands for the decode's registration (with or without the capability
     frames) having been parsed last; what it was before comes back after.
     """
-    from gpu_planner.integration.sglang import staged_send
+    from gpu_planner.integration.sglang.prefill_routes import ROUTES
 
-    with staged_send._lock:
-        saved = staged_send._peers.pop(session, None)
-        if capability is not None:
-            staged_send._peers[session] = capability
+    saved = ROUTES.capability(session)
+    ROUTES.advertised(session, capability)
     try:
         yield
     finally:
-        with staged_send._lock:
-            staged_send._peers.pop(session, None)
-            if saved is not None:
-                staged_send._peers[session] = saved
+        ROUTES.advertised(session, saved)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -189,8 +184,8 @@ def offer_receive_staging(
     """
     from sglang.srt.disaggregation.mooncake import conn
 
-    from gpu_planner.integration.sglang import staged_send
     from gpu_planner.integration.sglang.frames import KVRegistration, TransferRequest
+    from gpu_planner.integration.sglang.prefill_routes import ROUTES
     from gpu_planner.integration.sglang.staging_wire import (
         SGLANG_REGISTRATION_FRAMES,
         Capability,
@@ -211,10 +206,7 @@ def offer_receive_staging(
         room=ROOM, endpoint=LOCALHOST, port=NOTE_PORT, session_id=session, host_pages=dst_pages
     ).to_frames()
     info = conn.TransferInfo.from_zmq([*metadata, *reservation.frames()])
-    if (
-        staged_send._peers.get(session) != capability
-        or staged_send.route_for(info.dst_kv_indices) is None
-    ):
+    if ROUTES.capability(session) != capability or ROUTES.route_for(info.dst_kv_indices) is None:
         raise RuntimeError("the plugin's parser hooks did not keep the decode's receive staging")
     return DecodeOffer(capability, reservation, info)
 
@@ -354,7 +346,7 @@ class StagedSendBench:
         from sglang.srt.plugins import load_plugins
 
         from bench.sglang_manager import make_manager
-        from gpu_planner.integration.sglang import gathered
+        from gpu_planner.integration.sglang import send_slots
 
         load_plugins()  # the gpu_planner hooks, from the installed entry point
         self.session, peer_address = peer
@@ -378,9 +370,9 @@ class StagedSendBench:
             self.wrapper, mla=True, kv_data_ptrs=self.src_ptrs,
             kv_data_lens=[source.nbytes for source in self.sources],
         )  # fmt: skip
-        self.staging = gathered.staging_for(self.manager)  # registered now (the default: 128 MiB)
-        if isinstance(self.staging, str):
-            raise RuntimeError(f"no send staging: {self.staging}")
+        self.slots = send_slots.SEND_SLOTS.get(self.manager)  # registered now (default 128 MiB)
+        if isinstance(self.slots, str):
+            raise RuntimeError(f"no send slots: {self.slots}")
         self.offer = offer_receive_staging(
             self.manager,
             self.session,
@@ -444,7 +436,7 @@ class StagedSendBench:
 
         write = self.wrapper.engine.batch_transfer_sync_write_arrays
         page_bytes = self.buffers * self.item_len
-        src = np.array([self.staging.slot(0).data_ptr()], dtype=np.int64)
+        src = np.array([self.slots.slot(0).data_ptr()], dtype=np.int64)
         for start, count in self.scatter.note.chunks.tolist():
             dst = self.offer.capability.address + chunk_offset(page_bytes, 1, start)
             lens = np.array([count * page_bytes], dtype=np.int64)
@@ -506,7 +498,7 @@ def measure(
 ) -> dict[str, Any]:
     """Every variant's figures for one fragmented send of `num_pages` pages of `buffers` buffers
     of `item_len` bytes per page."""
-    from gpu_planner.integration.sglang import staged_send
+    from gpu_planner.integration.sglang.prefill_routes import ROUTES
 
     set_mooncake_defaults(QUIET_ENV, TCP_ONLY_ENV)
     pool_pages = num_pages + SPARE_PAGES + num_pages % RUN_PAGES
@@ -532,10 +524,10 @@ def measure(
             figures = measure_sends(stages, policy, keep_rounds=True)
             paths = {path: history[before:].count(path) for path in (DIRECT, STAGED)}
             timed_paths = _timed_paths(history, figures["chosen"]["repeats"])
-            slot_bytes = bench.staging.slot_bytes
+            slot_bytes = bench.slots.slot_bytes
             model = bench.chosen_costs.figures(bench.session)
         finally:
-            staged_send.forget_peers()
+            ROUTES.forget()
     for name in VARIANTS:
         figures[name].update(counts[name])
     figures["chosen"]["paths"] = paths  # its timed and GIL-watched sends, by path taken

@@ -141,7 +141,7 @@ SHOWN_PEERS = 8  # peers whose learned figures info shows (the most recently use
 
 def send_path() -> Section:
     """The send-path cost model: how it chooses, its seeds, where they stage, peers learned here."""
-    from gpu_planner.integration.sglang import gathered, path_cost
+    from gpu_planner.integration.sglang import path_cost, send_slots
 
     costs = path_cost.path_costs()
     seeds = costs.seeds
@@ -151,7 +151,7 @@ def send_path() -> Section:
         knobs = f"{settings.STAGING_MIN_DESCRIPTORS.name} or {settings.STAGING_MAX_MEAN_BYTES.name}"
         chooser = f"{costs.gate.describe()} ({knobs} set: the cost model only prices)"
     direct, staged = seeds.describe()
-    slot_bytes = settings.loaded(settings.GATHER_STAGING_BYTES) // gathered.SLOTS
+    slot_bytes = settings.loaded(settings.GATHER_STAGING_BYTES) // send_slots.SLOTS
     if slot_bytes:
         crossovers = []
         for mean in SHOWN_MEANS:

@@ -21,6 +21,11 @@ P2P_HANDSHAKE = "P2PHANDSHAKE"
 TCP_QUEUE_ENV = "MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER"
 TCP_QUEUE_DEFAULT = 1024
 TCP_QUEUE_MAX = 65535
+# Mooncake's Python binding gives up on a batch (-1) after MC_TRANSFER_TIMEOUT seconds (at least
+# 5; 30 when unset) plus a nanosecond per byte, while its TCP transport may still send it.
+TRANSFER_TIMEOUT_ENV = "MC_TRANSFER_TIMEOUT"
+TRANSFER_TIMEOUT_DEFAULT_S = 30
+TRANSFER_TIMEOUT_MIN_S = 5
 # Mooncake logs every connection and its missing RDMA devices: keep its errors only.
 QUIET_ENV = {"MC_LOG_LEVEL": "ERROR"}
 # sglang's `MooncakeTransferEngine` wrapper on a machine without RDMA: TCP only.
@@ -48,6 +53,19 @@ def tcp_queue_env(max_queued_transfers: int = TCP_QUEUE_MAX) -> dict[str, str]:
     (1024) is smaller than sglang-sized batches (1024 pages x 61 buffers x runs).
     """
     return {TCP_QUEUE_ENV: str(max_queued_transfers)}
+
+
+def transfer_timeout_s(environ: Mapping[str, str] = os.environ) -> int:
+    """The seconds after which Mooncake's binding reports a write -1, parsed as it parses them
+    (`atoi`: leading digits, else 0, then at least 5)."""
+    text = environ.get(TRANSFER_TIMEOUT_ENV)
+    if text is None:
+        return TRANSFER_TIMEOUT_DEFAULT_S
+    digits = text.strip()
+    sign = -1 if digits.startswith("-") else 1
+    digits = digits.lstrip("+-")
+    leading = digits[: len(digits) - len(digits.lstrip("0123456789"))][:18]
+    return max(TRANSFER_TIMEOUT_MIN_S, sign * int(leading or 0))
 
 
 def tcp_queue_capacity(environ: Mapping[str, str] = os.environ) -> int:

@@ -33,9 +33,13 @@ sglang's own `sglang:*` series:
   the decode's pages; `gpu_planner:receive_staging_fallbacks_total{reason}`
   (decode): requests or chunks that could not use the receive staging (no
   room in the region, a rejected chunk), by reason;
-- `gpu_planner:paths_chosen_total{path, reason}`: the send-path cost model's
-  choices (`path_cost`), `direct` or `staged`, and why (priced faster or
-  slower, a probe, the override gate);
+- `gpu_planner:paths_chosen_total{path, reason}`: every hooked send's path
+  (`send_path`: `direct`, `staged`, `gathered`, `per-token`), once per send,
+  and why (a fixed set of reasons: the decode offers no staging, the cost
+  model's price, a probe, the override gate, no free send slot, ...); a path's
+  count equals its hook's `sends_total` (direct: `generic`, per-token: `slice`);
+- `gpu_planner:send_slots_held_total` (prefill): send slots never lent again
+  because a write that read them did not end cleanly (`send_slots`);
 - `gpu_planner:path_predicted_seconds_total{path}`,
   `gpu_planner:path_observed_seconds_total{path}` and
   `gpu_planner:path_observed_sends_total{path}`: for each completed send the
@@ -147,6 +151,15 @@ def record_path_choice(path: str, reason: str) -> None:
         metrics["paths_chosen"].labels(path=path, reason=reason).inc()
 
 
+def record_held_slot() -> None:
+    """Count one send slot held for good: a write that did not end cleanly may still read it."""
+    with _lock:
+        _totals["send_slots_held"] += 1
+    metrics = _prometheus_metrics()
+    if metrics is not None:
+        metrics["send_slots_held"].inc()
+
+
 def record_path_time(path: str, predicted_s: float, observed_s: float) -> None:
     """Count one completed send on `path`: the model's price for it and the time it took."""
     with _lock:
@@ -180,6 +193,7 @@ def snapshot() -> dict[str, Any]:
             "failed_sends": dict(_failures),
             "receive_staging_fallbacks": dict(_receive_fallbacks),
             "staged_scatters": _totals["staged_scatters"],
+            "send_slots_held": _totals["send_slots_held"],
             "descriptors": _totals["descriptors"],
             "bytes": _totals["bytes"],
             "plan_seconds": _totals["plan_seconds"],
@@ -230,6 +244,10 @@ def _prometheus_metrics() -> dict[str, Any] | None:
                 ),
                 "staged_scatters": Counter(
                     "gpu_planner:staged_scatters", "Staged chunks scattered into decode pages"
+                ),
+                "send_slots_held": Counter(
+                    "gpu_planner:send_slots_held",
+                    "Send slots held for good: a write that did not end cleanly may read them",
                 ),
                 "descriptors": Counter("gpu_planner:descriptors", "Descriptors handed to Mooncake"),
                 "bytes": Counter(

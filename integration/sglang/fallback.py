@@ -28,7 +28,7 @@ import contextvars
 import functools
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from gpu_planner.integration.sglang.counters import record_failure, record_fallback
 
@@ -112,6 +112,16 @@ def log_fallback_once(reason: str, key: str | None = None) -> None:
     key = reason if key is None else key
     record_fallback(key)
     log_once(logging.INFO, f"gpu_planner: falling back to sglang's original code: {reason}", key)
+
+
+@contextlib.contextmanager
+def best_effort(what: str, key: str) -> Iterator[None]:
+    """Run the block; an exception out of it is counted and logged once (`what (error)`), never
+    raised: for a hook that adds to sglang's own result and returns that result either way."""
+    try:
+        yield
+    except Exception as error:
+        log_fallback_once(f"{what} ({error})", key=key)
 
 
 def around(hook: Callable) -> Callable:

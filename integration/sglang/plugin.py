@@ -39,7 +39,7 @@ SLICE_TARGET = "sglang.srt.disaggregation.mooncake.conn.MooncakeKVManager.send_k
 SWA_SLICE_TARGET = "sglang.srt.disaggregation.mooncake.conn.MooncakeKVManager._send_swa_state_slice"
 PAGES_TARGET = "sglang.srt.mem_cache.common.kv_to_page_indices"
 WARMUP_TARGET = "sglang.srt.disaggregation.mooncake.conn.MooncakeKVManager.__init__"
-# Receive staging (`staged_send`: prefill, `receive_staging`: decode).
+# Receive staging (`prefill_routes`, `staged_send`: prefill; `receive_staging`: decode).
 _MOONCAKE = "sglang.srt.disaggregation.mooncake.conn"
 _COMMON = "sglang.srt.disaggregation.common.conn.CommonKVManager"
 REGISTRATION_MESSAGE_TARGET = f"{_MOONCAKE}.MooncakeKVManager.build_receiver_registration_message"
@@ -185,10 +185,10 @@ def hook_records() -> list[HookRecord]:
     # sglang processes (not `import gpu_planner`) should pay for.
     from gpu_planner.integration.sglang import (
         pages,
+        prefill_routes,
         receive_staging,
         send,
         send_slice,
-        staged_send,
     )
     from gpu_planner.integration.sglang.entries import SendCall
 
@@ -297,21 +297,21 @@ def hook_records() -> list[HookRecord]:
         ),
         HookRecord(
             REGISTRATION_INFO_TARGET,
-            staged_send.registration_info_hook,
+            prefill_routes.registration_info_hook,
             (("msg", empty),),
             takes_original=True,
             group=PREFILL_STAGING,
         ),
         HookRecord(
             TRANSFER_INFO_TARGET,
-            staged_send.transfer_info_hook,
+            prefill_routes.transfer_info_hook,
             (("msg", empty),),
             takes_original=True,
             group=PREFILL_STAGING,
         ),
         HookRecord(
             STATUS_ENCODE_TARGET,
-            staged_send.status_message_hook,
+            prefill_routes.status_message_hook,
             encode_parameters,
             takes_original=True,
             group=PREFILL_STAGING,

@@ -42,7 +42,6 @@ from __future__ import annotations
 import secrets
 import threading
 import time
-import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -56,7 +55,8 @@ from gpu_planner.head_scatter import scatter_head_slices, scatter_layout
 from gpu_planner.head_slices import HeadSliceLayout
 from gpu_planner.inputs import HOST
 from gpu_planner.integration.sglang.counters import record_receive_fallback, record_scatter
-from gpu_planner.integration.sglang.fallback import log_fallback_once
+from gpu_planner.integration.sglang.fallback import best_effort, log_fallback_once
+from gpu_planner.integration.sglang.registered_region import PerManager, RegisteredRegion
 from gpu_planner.integration.sglang.staging_wire import (
     KV_POLL_FAILED,
     KV_POLL_SUCCESS,
@@ -117,31 +117,60 @@ def chunk_scatter_layout(
     )
 
 
-class ReceiveRegion:
+class PartAllocator:
+    """First-fit parts of a region of `nbytes`, each `ALIGNMENT`-aligned; not thread-safe."""
+
+    def __init__(self, nbytes: int) -> None:
+        self._free: list[tuple[int, int]] = [(0, nbytes)]  # (offset, bytes), by offset
+
+    def take(self, nbytes: int) -> int | None:
+        """The offset of a free part of `nbytes`, or None when none is large enough."""
+        size = _aligned(nbytes)
+        for position, (offset, free) in enumerate(self._free):
+            if free >= size:
+                self._free[position] = (offset + size, free - size)
+                if free == size:
+                    del self._free[position]
+                return offset
+        return None
+
+    def give_back(self, offset: int, nbytes: int) -> None:
+        """The part `take(nbytes)` returned at `offset` is free again (merged with neighbours)."""
+        self._free.append((offset, _aligned(nbytes)))
+        self._free.sort()
+        merged: list[tuple[int, int]] = []
+        for start, free in self._free:
+            if merged and merged[-1][0] + merged[-1][1] == start:
+                merged[-1] = (merged[-1][0], merged[-1][1] + free)
+            else:
+                merged.append((start, free))
+        self._free = merged
+
+    @property
+    def free_bytes(self) -> int:
+        return sum(free for _, free in self._free)
+
+
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // ALIGNMENT) * ALIGNMENT
+
+
+class ReceiveRegion(RegisteredRegion):
     """The decode's registered receive staging and the requests it lends parts of it to."""
 
     def __init__(self, manager: Any, nbytes: int, torch_device: torch.device) -> None:
-        """Allocate `nbytes` on `torch_device`, registered with `manager`'s engine wrapper.
-
-        Raises what the allocation or sglang's `register` raises.
-        """
+        """Raises what the allocation or sglang's `register` raises."""
         nbytes = nbytes // ALIGNMENT * ALIGNMENT
         if nbytes == 0:
             raise RuntimeError(f"receive staging of {nbytes} bytes holds no {ALIGNMENT}-byte part")
-        self.torch_device = torch_device
-        with on_torch_device(torch_device):
-            self.region = cuda_runtime().empty_bytes(nbytes, torch_device)
+        super().__init__(manager, nbytes, torch_device)
         self.capability = Capability(self.region.data_ptr(), self.region.numel())
         self.session = manager.get_session_id()  # declarations toward this decode name it
-        self._wrapper = manager.engine
-        self._wrapper.register(self.region.data_ptr(), self.region.numel())
-        self.release = weakref.finalize(manager, self._wrapper.deregister, self.region.data_ptr())
-        self.release.atexit = False  # at exit, a prefill's write may still land
         self._kv = manager.kv_args
         self._page_bytes = sum(int(item_len) for item_len in self._kv.kv_item_lens)
         self._num_buffers = len(self._kv.kv_data_ptrs)
         self._device_buffers = device_backed_buffers(self._kv)
-        self._free: list[tuple[int, int]] = [(0, nbytes)]  # (offset, bytes), by offset
+        self._parts = PartAllocator(nbytes)
         self._lent: dict[int, Lending] = {}  # room: the lending of its live request
         self._lendings: dict[int, Lending] = {}  # reservation id: every lending not yet freed
         self._declared: tuple[int, int, dict[int, int] | str | None] | None = None
@@ -173,7 +202,7 @@ class ReceiveRegion:
                 return "HiSparse pages, but the decode's device-backed buffers are not known"
             if len(self._lendings) >= MAX_RESERVATIONS:
                 return "receive staging full"
-            offset = self._take(nbytes)
+            offset = self._parts.take(nbytes)
             if offset is None:
                 return "receive staging full"
             reservation = Reservation(self._new_id(), offset, nbytes, len(host_pages))
@@ -193,32 +222,12 @@ class ReceiveRegion:
             if reservation_id and reservation_id not in self._lendings:
                 return reservation_id
 
-    def _take(self, nbytes: int) -> int | None:
-        """First fit; the caller holds the lock."""
-        size = -(-nbytes // ALIGNMENT) * ALIGNMENT
-        for position, (offset, free) in enumerate(self._free):
-            if free >= size:
-                self._free[position] = (offset + size, free - size)
-                if free == size:
-                    del self._free[position]
-                return offset
-        return None
-
     def _give_back(self, lending: Lending) -> None:
-        """Free a lending's part, merging neighbours; the caller holds the lock."""
+        """Free a lending's part; the caller holds the lock."""
         del self._lendings[lending.reservation.reservation_id]
         if self._lent.get(lending.room) is lending:
             del self._lent[lending.room]
-        size = -(-lending.reservation.nbytes // ALIGNMENT) * ALIGNMENT
-        self._free.append((lending.reservation.offset, size))
-        self._free.sort()
-        merged: list[tuple[int, int]] = []
-        for offset, free in self._free:
-            if merged and merged[-1][0] + merged[-1][1] == offset:
-                merged[-1] = (merged[-1][0], merged[-1][1] + free)
-            else:
-                merged.append((offset, free))
-        self._free = merged
+        self._parts.give_back(lending.reservation.offset, lending.reservation.nbytes)
 
     def _end(self, lending: Lending) -> None:
         """The request ended: quarantine its part; the caller holds the lock."""
@@ -250,7 +259,7 @@ class ReceiveRegion:
     @property
     def free_bytes(self) -> int:
         with self._lock:
-            return sum(free for _, free in self._free)
+            return self._parts.free_bytes
 
     @property
     def lent_rooms(self) -> int:
@@ -449,50 +458,13 @@ def device_backed_buffers(kv_args: Any) -> np.ndarray | None:
     return np.arange(num_buffers) >= host_backed
 
 
-class _NoRegion:
-    """Why a manager has no receive staging (remembered so that no later call tries again)."""
-
-    def __init__(self, reason: str) -> None:
-        self.reason = reason
-
-
-_regions: weakref.WeakKeyDictionary[Any, ReceiveRegion | _NoRegion] = weakref.WeakKeyDictionary()
-_regions_lock = threading.Lock()
-
-
 def region_for(manager: Any) -> ReceiveRegion | None:
     """`manager`'s receive staging, made on first use; None (logged once) where it has none."""
-    with _regions_lock:
-        region = _regions.get(manager)
-        if region is None:
-            region = _new_region(manager)
-            _regions[manager] = region
-    if isinstance(region, _NoRegion):
-        log_fallback_once(f"no receive staging: {region.reason}", key="no receive staging")
+    region = REGIONS.get(manager)
+    if isinstance(region, str):
+        log_fallback_once(f"no receive staging: {region}", key="no receive staging")
         return None
     return region
-
-
-def existing_region(manager: Any) -> ReceiveRegion | None:
-    """`manager`'s receive staging if it advertised one (never makes one).
-
-    None for a manager that cannot be a weak key (sglang's unit tests build
-    `SimpleNamespace` managers, which are unhashable): it never had one.
-    """
-    with _regions_lock:
-        try:
-            region = _regions.get(manager)
-        except TypeError:
-            return None
-    return region if isinstance(region, ReceiveRegion) else None
-
-
-def release_region(manager: Any) -> None:
-    """Deregister and forget `manager`'s region (tests; a process keeps it while it serves)."""
-    with _regions_lock:
-        region = _regions.pop(manager, None)
-    if isinstance(region, ReceiveRegion):
-        region.release()
 
 
 def receive_device(kv_args: Any) -> torch.device | str:
@@ -507,33 +479,34 @@ def receive_device(kv_args: Any) -> torch.device | str:
     return gpus.pop() if gpus else HOST
 
 
-def _new_region(manager: Any) -> ReceiveRegion | _NoRegion:
+def _new_region(manager: Any) -> ReceiveRegion | str:
     nbytes = settings.loaded(settings.RECEIVE_STAGING_BYTES)
     if nbytes == 0:
-        return _NoRegion(f"{settings.RECEIVE_STAGING_BYTES.name}=0")
-    if not _decode_hooks_registered:
-        return _NoRegion("the decode's receive-staging hooks are not all registered")
+        return f"{settings.RECEIVE_STAGING_BYTES.name}=0"
     if getattr(manager, "enable_staging", False):
-        return _NoRegion("sglang's own staging (SGLANG_DISAGG_STAGING_BUFFER) handles this decode")
+        return "sglang's own staging (SGLANG_DISAGG_STAGING_BUFFER) handles this decode"
     kv_args = getattr(manager, "kv_args", None)
     if kv_args is None or not getattr(kv_args, "kv_data_ptrs", None):
-        return _NoRegion("a manager without KV buffers")
+        return "a manager without KV buffers"
     try:
         torch_device = receive_device(kv_args)
         if isinstance(torch_device, str):
-            return _NoRegion(torch_device)
+            return torch_device
         return ReceiveRegion(manager, nbytes, torch_device)
     except Exception as error:  # out of memory, a refused registration, a bug: no region
-        return _NoRegion(f"{nbytes} bytes could not be allocated and registered ({error!r})")
+        return f"{nbytes} bytes could not be allocated and registered ({error!r})"
 
 
-_decode_hooks_registered = True  # False when the plugin could not register all of them
+REGIONS: PerManager[ReceiveRegion] = PerManager(_new_region)
 
 
 def decode_hooks_registered(registered: bool) -> None:
-    """Whether every hook of the decode's set is registered (the plugin says, once)."""
-    global _decode_hooks_registered
-    _decode_hooks_registered = registered
+    """Whether every hook of the decode's receive-staging set registered (the plugin says once):
+    without all of them no manager gets a region."""
+    REGIONS.unavailable = None if registered else NOT_ALL_HOOKS
+
+
+NOT_ALL_HOOKS = "the decode's receive-staging hooks are not all registered"
 
 
 # The decode's hooks. Each returns what sglang's own code returns (plus the
@@ -548,20 +521,18 @@ def _is_decode(manager: Any) -> bool:
 def registration_message_hook(original: Any, manager: Any, *args: Any, **kwargs: Any) -> Any:
     """sglang's KV registration, with this decode's receive staging advertised."""
     frames = original(manager, *args, **kwargs)
-    try:
+    with best_effort("receive staging not advertised", "no receive staging"):
         region = region_for(manager) if _is_decode(manager) else None
         if region is not None:
             return [*frames, *region.capability.frames()]
-    except Exception as error:  # advertise nothing: prefills send as today
-        log_fallback_once(f"receive staging not advertised ({error})", key="no receive staging")
-    return frames
+    return frames  # nothing advertised: prefills send as today
 
 
 def metadata_message_hook(original: Any, manager: Any, *args: Any, **kwargs: Any) -> Any:
     """sglang's per-request metadata, with a part of the region lent to the request."""
     frames = original(manager, *args, **kwargs)
-    try:
-        region = existing_region(manager) if _is_decode(manager) and not args else None
+    with best_effort("no receive staging lent", "receive staging not lent"):
+        region = REGIONS.existing(manager) if _is_decode(manager) and not args else None
         if region is None or kwargs.get("is_dummy"):
             return frames
         lent = region.reserve(
@@ -574,17 +545,15 @@ def metadata_message_hook(original: Any, manager: Any, *args: Any, **kwargs: Any
             record_receive_fallback(lent)
             return frames
         return [*frames, *lent.frames()]
-    except Exception as error:  # lend nothing: the request goes as today
-        log_fallback_once(f"no receive staging lent ({error})", key="receive staging not lent")
-    return frames
+    return frames  # nothing lent: the request goes as today
 
 
 def chunk_ready_hook(original: Any, manager: Any, msg: Any, *args: Any, **kwargs: Any) -> Any:
     """A gpu_planner prefill's `Staged` note: scattered here; any other message: sglang's."""
     if not (isinstance(msg, list) and msg and msg[0] == STAGED_TAG):
         return original(manager, msg, *args, **kwargs)
-    try:
-        region = existing_region(manager)
+    with best_effort("a staged note was dropped", "staged malformed"):
+        region = REGIONS.existing(manager)
         if region is None:
             return True
         try:
@@ -593,8 +562,6 @@ def chunk_ready_hook(original: Any, manager: Any, msg: Any, *args: Any, **kwargs
             region.on_unparsed(msg, error)
             return True
         region.on_staged(staged, manager.request_status)
-    except Exception as error:
-        log_fallback_once(f"a staged note was dropped ({error})", key="staged malformed")
     return True
 
 
@@ -603,22 +570,20 @@ def status_message_hook(original: Any, manager: Any, msg: Any, *args: Any, **kwa
     parsed = original(manager, msg, *args, **kwargs)
     if parsed is None:
         return parsed
-    try:
-        region = existing_region(manager)
+    with best_effort("a status declaration was dropped", "staged books"):
+        region = REGIONS.existing(manager)
         if region is not None:
             try:
                 declared: dict[int, int] | str | None = declared_notes(msg, region.session)
             except Exception as error:  # a malformed declaration fails the rank's Success
                 declared = str(error)
             region.on_declared(parsed[0], parsed[2], declared)
-    except Exception as error:
-        log_fallback_once(f"a status declaration was dropped ({error})", key="staged books")
     return parsed
 
 
 def prefill_status_hook(original: Any, manager: Any, *args: Any, **kwargs: Any) -> Any:
     """sglang's status handling, after this room's scatters completed (or failed it)."""
-    region = existing_region(manager) if not args else None
+    region = REGIONS.existing(manager) if not args else None
     room = kwargs.get("bootstrap_room")
     if region is not None and room is not None:
         try:
@@ -629,10 +594,8 @@ def prefill_status_hook(original: Any, manager: Any, *args: Any, **kwargs: Any) 
             kwargs = {**kwargs, "status": KV_POLL_FAILED, "failure_reason": refusal}
     result = original(manager, *args, **kwargs)
     if region is not None and room is not None:
-        try:
+        with best_effort(BOOKKEEPING_FAILED, "staged books"):
             region.after_status(manager.request_status, room)
-        except Exception as error:
-            log_fallback_once(f"receive staging bookkeeping failed ({error})", key="staged books")
     return result
 
 
@@ -643,7 +606,7 @@ def update_status_hook(original: Any, manager: Any, *args: Any, **kwargs: Any) -
     waiting timeout) sets Failed here; a new request of a room sglang
     cleared opens it here again.
     """
-    region = existing_region(manager)
+    region = REGIONS.existing(manager)
     if region is None:
         return original(manager, *args, **kwargs)
     try:
@@ -652,26 +615,25 @@ def update_status_hook(original: Any, manager: Any, *args: Any, **kwargs: Any) -
     except Exception:  # not the call sglang 0.5.23 makes: leave the lending to the sweep
         return original(manager, *args, **kwargs)
     result = original(manager, *args, **kwargs)
-    try:
+    with best_effort(BOOKKEEPING_FAILED, "staged books"):
         if opened or int(status) == KV_POLL_FAILED:
             region.end(room)
-    except Exception as error:
-        log_fallback_once(f"receive staging bookkeeping failed ({error})", key="staged books")
     return result
 
 
 def receiver_clear_hook(original: Any, receiver: Any, *args: Any, **kwargs: Any) -> Any:
     """sglang's receiver clean-up; a room it forgot ends its lending."""
     result = original(receiver, *args, **kwargs)
-    try:
+    with best_effort(BOOKKEEPING_FAILED, "staged books"):
         manager = receiver.kv_mgr
-        region = existing_region(manager)
+        region = REGIONS.existing(manager)
         room = receiver.bootstrap_room
         if region is not None and room not in manager.request_status:
             region.end(room)
-    except Exception as error:
-        log_fallback_once(f"receive staging bookkeeping failed ({error})", key="staged books")
     return result
+
+
+BOOKKEEPING_FAILED = "receive staging bookkeeping failed"
 
 
 def _room_and_status(args: tuple, kwargs: dict) -> tuple[int, int]:

@@ -27,8 +27,9 @@ from gpu_planner.integration.sglang.counters import record_send
 from gpu_planner.integration.sglang.entries import Entries, Entry, SendCall, transfer_entries
 from gpu_planner.integration.sglang.fallback import Fallback, current_send
 from gpu_planner.integration.sglang.layer_calls import submit_in_order
-from gpu_planner.integration.sglang.path_cost import DIRECT
-from gpu_planner.integration.sglang.staged_send import StagedEntries, observe, send_staged
+from gpu_planner.integration.sglang.path_cost import DIRECT, STAGED
+from gpu_planner.integration.sglang.send_path import generic_path, observe, send_staged
+from gpu_planner.integration.sglang.staged_send import StagedEntries
 
 # What the hook reads of `kv_args`: the registered buffers its bounds check uses.
 KV_FIELDS = ("kv_data_ptrs", "kv_data_lens")
@@ -52,36 +53,36 @@ def send_kvcache_generic_hook(manager: conn.MooncakeKVManager, *args, **kwargs) 
     if planned is None:
         return 0
     plan, buffers = planned
-    staged_status = send_staged(
+    session = call.mooncake_session_id
+    nbytes = call.prefill_data_indices.size * buffers.page_bytes  # `plan.total_bytes`, in O(1)
+    deciding = time.perf_counter()
+    decision = generic_path(
         manager,
-        call.mooncake_session_id,
+        session,
         call.prefill_data_indices,
         call.dst_data_indices,
         buffers.staged_entries(plan.layout, call.dst_device_data_ptrs),
         plan.num_descriptors,
-        call.executor,
     )
-    if staged_status is not None:
-        return staged_status
+    if decision.path == STAGED:
+        return send_staged(
+            manager, session, decision, call.prefill_data_indices, call.executor, deciding
+        )
     direct_started = time.perf_counter()
-    plan_seconds = direct_started - started
     engine_handoff = sglang_handoff(manager.engine)
     num_descriptors = plan.num_descriptors
     record_send(
         "generic",
         engine_handoff.form,
         num_descriptors,
-        call.prefill_data_indices.size * buffers.page_bytes,  # `plan.total_bytes`, in O(1)
-        plan_seconds,
+        nbytes,
+        direct_started - started,
         plan.layout.num_buffers,
         plan.num_batches,
     )
     status = _send_direct(manager, call, plan, engine_handoff)
-    observe(
-        call.mooncake_session_id, DIRECT, num_descriptors,
-        call.prefill_data_indices.size * buffers.page_bytes,
-        time.perf_counter() - direct_started, status == 0,
-    )  # fmt: skip
+    if status == 0:
+        observe(session, DIRECT, num_descriptors, nbytes, time.perf_counter() - direct_started)
     return status
 
 

@@ -38,7 +38,7 @@ from gpu_planner import settings
 from gpu_planner.block_pool import BlockPool
 from gpu_planner.errors import PlanValidationError
 from gpu_planner.head_slices import HeadSliceDescriptors, HeadSliceLayout, head_slice_descriptors
-from gpu_planner.integration.sglang import bounds, gathered, staged_send
+from gpu_planner.integration.sglang import bounds, gathered, send_path
 from gpu_planner.integration.sglang.adapter import check_manager, sglang_handoff
 from gpu_planner.integration.sglang.counters import record_send
 from gpu_planner.integration.sglang.fallback import Failed, Fallback, current_send
@@ -131,6 +131,7 @@ def send_kvcache_slice_hook(manager: conn.MooncakeKVManager, *args, **kwargs) ->
     except bounds.OutOfRange as error:
         return bounds.refuse(call.mooncake_session_id, error)
     started = time.perf_counter()
+    session = call.mooncake_session_id
     with _planner_rejections():
         layout = _kv_slice_layout(
             tuple(layer_pairs),
@@ -141,27 +142,20 @@ def send_kvcache_slice_hook(manager: conn.MooncakeKVManager, *args, **kwargs) ->
             dst_head_start * head_len,
             slice_len,
         )
-        if manager.attn_tp_size > call.dst_attn_tp_size:  # TP-down: may go staged
-            status = staged_send.send_staged(
-                manager,
-                call.mooncake_session_id,
-                pages[0],
-                call.dst_kv_indices,
-                # or why its slices cannot be staged: counted toward a staging decode
-                staged_send.StagedEntries.of_head_slices(layout),
-                layout.num_layers * pages[0].size * page_size,  # one per token per buffer
-                call.executor,
+        decision = send_path.slice_path(
+            manager, session, layout, pages, call.dst_kv_indices, call.dst_attn_tp_size
+        )
+        if decision.path == send_path.STAGED:
+            return send_path.send_staged(
+                manager, session, decision, pages[0], call.executor, started
             )
-            if status is not None:  # None: not staged, per-token descriptors
-                return status
-        if gathered.gathers(manager.attn_tp_size, call.dst_attn_tp_size):
-            status = gathered.send_gathered(
-                manager, call.mooncake_session_id, layout, pages, call.executor
-            )
-            if status is not None:  # None: staging unavailable, per-token descriptors
-                return status
+        if decision.path == send_path.GATHERED:
+            return gathered.write_gathered(
+                manager, session, decision.gathered_send, decision.lease, pages[0],
+                call.executor, started,
+            )  # fmt: skip
         descriptors = _build(layout, pages)
-    return _send_layers(manager, call.mooncake_session_id, descriptors, call.executor, started)
+    return _send_layers(manager, session, descriptors, call.executor, started)
 
 
 @contextlib.contextmanager
@@ -289,6 +283,7 @@ def send_swa_state_slice_hook(manager: conn.MooncakeKVManager, *args, **kwargs) 
     started = time.perf_counter()
     with _planner_rejections():
         descriptors = _build(layout, pages)
+    send_path.swa_slice_path()
     conn.logger.warning_once(
         "Using SWA state head-slice transfer for different attention TP sizes: "
         f"prefill={manager.attn_tp_size}, decode={call.dst_attn_tp_size}."

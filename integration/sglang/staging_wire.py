@@ -49,13 +49,17 @@ from dataclasses import dataclass
 import numpy as np
 
 from gpu_planner.inputs import INT64_MAX
-from gpu_planner.integration.sglang.frames import MAX_RANKS, FrameError, parse_int
+from gpu_planner.integration.sglang.frames import (
+    MAX_RANKS,
+    SGLANG_REGISTRATION_FRAMES,
+    FrameError,
+    parse_int,
+)
 
 CAPABILITY_TAG = b"gpu_planner.receive_staging/2"
 RESERVATION_TAG = b"gpu_planner.reservation/2"
 STAGED_TAG = b"gpu_planner.staged/2"
 DECLARED_TAG = b"gpu_planner.declared/2"
-SGLANG_REGISTRATION_FRAMES = 20  # KVArgsRegisterInfo.from_zmq reads frames 0-19
 SGLANG_METADATA_FRAMES = 10  # TransferInfo.from_zmq reads frames 0-9
 SGLANG_STATUS_FRAMES = 4  # parse_kv_status_message reads room, status, rank, reason
 STAGED_FRAMES = 9

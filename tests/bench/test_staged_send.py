@@ -150,8 +150,7 @@ def test_what_the_model_learns_of_a_staged_send_includes_its_note():
         TCP_ONLY_ENV,
         set_mooncake_defaults,
     )
-    from gpu_planner.integration.sglang import path_cost
-    from gpu_planner.integration.sglang import staged_send as plugin_staged_send
+    from gpu_planner.integration.sglang import path_cost, prefill_routes
 
     class Recording(path_cost.PathCosts):
         def observe(self, peer, path, requests, nbytes, seconds, ok=True):
@@ -178,6 +177,6 @@ def test_what_the_model_learns_of_a_staged_send_includes_its_note():
                 send = (bench._hooked, bench.staged_dst_pages, bench.offer.capability, costs)
                 assert bench._send(*send) == 0
         finally:
-            plugin_staged_send.forget_peers()
+            prefill_routes.ROUTES.forget()
     assert [path for path, _ in observed] == ["staged", "staged"]
     assert all(seconds >= 0.05 for _, seconds in observed)

@@ -41,7 +41,7 @@ from test_send_slice import (
     run,
 )
 
-from gpu_planner.integration.sglang import counters, fallback, gathered
+from gpu_planner.integration.sglang import counters, fallback, gathered, send_path, send_slots
 from gpu_planner.reference import group_runs
 from tests.test_head_gather import page_lists
 
@@ -140,8 +140,10 @@ def registered(scenario: dict) -> dict[int, int]:
 
 def staging_bytes_for(slot_pages: int, page_bytes: int) -> int:
     """Staging whose two slots hold at least `slot_pages` decode pages each."""
-    slot = -(-max(slot_pages * page_bytes, 1) // gathered.SLOT_ALIGNMENT) * gathered.SLOT_ALIGNMENT
-    return gathered.SLOTS * slot
+    slot = (
+        -(-max(slot_pages * page_bytes, 1) // send_slots.SLOT_ALIGNMENT) * send_slots.SLOT_ALIGNMENT
+    )
+    return send_slots.SLOTS * slot
 
 
 @pytest.mark.parametrize(
@@ -213,12 +215,12 @@ def takes_gathered_path(scenario: dict) -> bool:
 
 def test_plan_chunks_takes_whole_entries_while_a_slot_holds_all_pages():
     assert gathered.plan_chunks(5, 3, 100, 700) == [
-        gathered.Chunk(slice(0, 2), slice(0, 3)),
-        gathered.Chunk(slice(2, 4), slice(0, 3)),
-        gathered.Chunk(slice(4, 5), slice(0, 3)),
+        send_slots.Chunk(slice(0, 2), slice(0, 3)),
+        send_slots.Chunk(slice(2, 4), slice(0, 3)),
+        send_slots.Chunk(slice(4, 5), slice(0, 3)),
     ]
     assert gathered.plan_chunks(2, 5, 100, 200) == [
-        gathered.Chunk(slice(entry, entry + 1), pages)
+        send_slots.Chunk(slice(entry, entry + 1), pages)
         for entry in range(2)
         for pages in (slice(0, 2), slice(2, 4), slice(4, 5))
     ]
@@ -283,12 +285,12 @@ def test_staging_is_registered_once_per_manager_and_deregistered_on_release(monk
     manager = manager_for(scenario, raw)
     for _ in range(2):
         assert send(manager, scenario, ONE_THREAD) == 0
-    staging = gathered.staging_for(manager)
+    staging = send_slots.SEND_SLOTS.get(manager)
     assert raw.registrations == [(staging.region.data_ptr(), staging.region.numel())]
     assert staging.region.numel() == staging_bytes_for(1, DST_ITEM_LEN)
     assert staging.release.atexit is False  # daemon threads' calls may still read it at exit
     assert len(raw.calls) == 2 * 4 * 2  # two sends, four buffers, pages 0-1 and 2 (256-byte slots)
-    gathered.release_staging(manager)
+    send_slots.SEND_SLOTS.release(manager)
     assert staging.region.data_ptr() not in raw.registered
 
 
@@ -302,14 +304,16 @@ def test_unavailable_staging_sends_per_token_and_logs_the_size_it_needed(monkeyp
     scenario, decode = tp2_to_tp4(num_layers=1, num_pages=3)
     raw = UnregistrableEngine(registered(scenario), copy_of(decode))
     manager = manager_for(scenario, raw)
-    before = counters.snapshot()["fallbacks"].get("gather unavailable", 0)
+    key = f"{send_path.PER_TOKEN}/{send_path.NO_SEND_SLOTS}"
+    before = counters.snapshot()["paths_chosen"].get(key, 0)
     with caplog.at_level("INFO", logger="gpu_planner.integration.sglang.plugin"):
         assert send(manager, scenario, ONE_THREAD) == 0
         assert send(manager, scenario, ONE_THREAD) == 0
-    assert counters.snapshot()["fallbacks"]["gather unavailable"] == before + 2
+    assert counters.snapshot()["paths_chosen"][key] == before + 2
     [line] = [record.getMessage() for record in caplog.records]
     assert (
-        "registration failed" in line and f"at least {gathered.SLOTS * DST_ITEM_LEN} bytes" in line
+        "registration failed" in line
+        and f"at least {send_slots.SLOTS * DST_ITEM_LEN} bytes" in line
     )
     assert [len(call[3]) for call in raw.calls] == [3 * PAGE_SIZE] * 2 * 2  # per token
     expected_decode = copy_of(decode)
@@ -336,7 +340,7 @@ class Timeline:
 def spy_on_gathers(monkeypatch, timeline: Timeline) -> list[threading.Event]:
     """Record each gather in `timeline`; the returned events are set as gathers 0, 1, ... end."""
     gathered_events = [threading.Event() for _ in range(8)]
-    gather = gathered.gather_head_slices
+    gather = send_slots.gather_head_slices
     count = iter(range(8))
 
     def recorded_gather(*args, **kwargs):
@@ -345,7 +349,7 @@ def spy_on_gathers(monkeypatch, timeline: Timeline) -> list[threading.Event]:
         gather(*args, **kwargs)
         gathered_events[number].set()
 
-    monkeypatch.setattr(gathered, "gather_head_slices", recorded_gather)
+    monkeypatch.setattr(send_slots, "gather_head_slices", recorded_gather)
     return gathered_events
 
 
@@ -413,7 +417,8 @@ class FailingHeldEngine(ArraysMemoryEngine):
 def test_a_failing_call_gives_sglangs_status_and_its_running_slot_waits(
     monkeypatch, raises, deferred_release
 ):
-    """sglang's -1; no chunk gathered after the failure; a running call's slot stays lent."""
+    """sglang's -1; no chunk gathered after the failure; a running call's slot stays lent until
+    it ends, and the failed call's slot is held for good (the engine may still read it)."""
     set_knob(monkeypatch, STAGING_ENV, str(staging_bytes_for(3, DST_ITEM_LEN)))
     scenario, decode = tp2_to_tp4(num_layers=3, num_pages=3)  # six chunks of one entry
     raw = FailingHeldEngine(registered(scenario), copy_of(decode), raises=raises)
@@ -423,11 +428,12 @@ def test_a_failing_call_gives_sglangs_status_and_its_running_slot_waits(
         if deferred_release:  # sglang drains running calls first: let call 1 end
             threading.Timer(0.2, raw.release.set).start()
         assert send(manager, scenario, executor) == -1
-        staging = gathered.staging_for(manager)
+        staging = send_slots.SEND_SLOTS.get(manager)
         if not deferred_release:
-            assert raw.holding.is_set() and staging.free_slots == gathered.SLOTS - 1  # call 1 holds
+            assert raw.holding.is_set()  # call 1 holds its slot; call 0's is held for good
+            assert (staging.free_slots, staging.held_slots) == (send_slots.SLOTS - 2, 1)
             raw.release.set()
-    assert staging.free_slots == gathered.SLOTS
+    assert (staging.free_slots, staging.held_slots) == (send_slots.SLOTS - 1, 1)
     assert len(raw.calls) <= 1  # only call 1 moved bytes; nothing after the failure
 
 
@@ -502,7 +508,8 @@ def test_a_stalled_peer_never_delays_a_healthy_one(monkeypatch, stalled_sends):
     scenario, decode = tp2_to_tp4(num_layers=1, num_pages=4)  # four chunks, two slots a send
     raw = StalledPeerEngine(registered(scenario), copy_of(decode))
     manager = manager_for(scenario, raw)
-    busy_before = counters.snapshot()["fallbacks"].get("gather staging busy", 0)
+    busy_key = f"{send_path.PER_TOKEN}/{send_path.SLOTS_BUSY}"
+    busy_before = counters.snapshot()["paths_chosen"].get(busy_key, 0)
     with concurrent.futures.ThreadPoolExecutor(max_workers=2 * stalled_sends) as executor:
         stalled = [
             threading.Thread(target=send_to, args=(manager, scenario, STALLED, executor))
@@ -516,16 +523,16 @@ def test_a_stalled_peer_never_delays_a_healthy_one(monkeypatch, stalled_sends):
         outcome = healthy.submit(send_to, manager, scenario, SESSION, healthy)
         try:
             assert outcome.result(timeout=WAIT_S) == 0  # on old code: waits for the stalled peer
-            free_during_stall = gathered.staging_for(manager).free_slots
+            free_during_stall = send_slots.SEND_SLOTS.get(manager).free_slots
         finally:
             raw.resume.set()
             healthy.shutdown()
         for thread in stalled:
             thread.join(WAIT_S)
-    busy = counters.snapshot()["fallbacks"].get("gather staging busy", 0) - busy_before
+    busy = counters.snapshot()["paths_chosen"].get(busy_key, 0) - busy_before
     assert busy == (stalled_sends == 2)  # no free slot: per-token, counted
-    assert free_during_stall == gathered.SLOTS - 2 * stalled_sends
-    assert gathered.staging_for(manager).free_slots == gathered.SLOTS
+    assert free_during_stall == send_slots.SLOTS - 2 * stalled_sends
+    assert send_slots.SEND_SLOTS.get(manager).free_slots == send_slots.SLOTS
     expected_decode = copy_of(decode)
     run(ORIGINAL, scenario, ArraysMemoryEngine(registered(scenario), expected_decode), ONE_THREAD)
     for ptr in decode:
@@ -540,13 +547,13 @@ def test_staging_and_gathers_run_on_the_kv_device_not_the_threads(monkeypatch, h
     for source in scenario["sources"]:
         host_cuda.place(torch.from_numpy(source), 1)
     devices_seen: list[tuple[str, int]] = []
-    gather = gathered.gather_head_slices
+    gather = send_slots.gather_head_slices
 
     def recorded_gather(*args, **kwargs):
         devices_seen.append(("gather", host_cuda.current_device()))
         return gather(*args, **kwargs)
 
-    monkeypatch.setattr(gathered, "gather_head_slices", recorded_gather)
+    monkeypatch.setattr(send_slots, "gather_head_slices", recorded_gather)
     new_event = host_cuda.new_event
 
     def recorded_event():
@@ -560,7 +567,7 @@ def test_staging_and_gathers_run_on_the_kv_device_not_the_threads(monkeypatch, h
     assert transfer_thread.submit(host_cuda.current_device).result() == 0
     assert transfer_thread.submit(send, manager, scenario, ONE_THREAD).result() == 0
     transfer_thread.shutdown()
-    staging = gathered.staging_for(manager)
+    staging = send_slots.SEND_SLOTS.get(manager)
     assert staging.torch_device == torch.device("cuda", 1)
     assert host_cuda.memory_device(staging.region.data_ptr()) == torch.device("cuda", 1)
     assert host_cuda.allocations == [(torch.device("cuda", 1), 1)]  # allocated under device 1
@@ -595,7 +602,7 @@ def test_a_fault_after_the_first_slot_is_taken_gives_every_slot_back(monkeypatch
 
     monkeypatch.setattr(gathered, "record_send", broken_count)
     assert send(manager, scenario, ONE_THREAD) == 0  # sglang's own per-token send
-    assert gathered.staging_for(manager).free_slots == gathered.SLOTS
+    assert send_slots.SEND_SLOTS.get(manager).free_slots == send_slots.SLOTS
     expected_decode = copy_of(decode)
     run(ORIGINAL, scenario, ArraysMemoryEngine(registered(scenario), expected_decode), ONE_THREAD)
     for ptr in decode:
@@ -605,9 +612,10 @@ def test_a_fault_after_the_first_slot_is_taken_gives_every_slot_back(monkeypatch
 class CountedSlots:
     """A staging's slots, lent and given back, in host memory (what `PartWrites` reads)."""
 
-    def __init__(self, slots: int = gathered.SLOTS) -> None:
+    def __init__(self, slots: int = send_slots.SLOTS) -> None:
         self._slots = [torch.zeros(64, dtype=torch.uint8) for _ in range(slots)]
         self.free = list(range(slots))
+        self.held: list[int] = []  # given back after a write that did not end cleanly
         self.given_back: list[tuple[int, int]] = []  # (slot, writes still unwaited then)
         self.writes: RecordedWrites | None = None
 
@@ -617,9 +625,9 @@ class CountedSlots:
     def try_take(self) -> int | None:
         return self.free.pop(0) if self.free else None
 
-    def give_back(self, index: int) -> None:
+    def give_back(self, index: int, clean: bool = True) -> None:
         self.given_back.append((index, len(self.writes.unwaited)))
-        self.free.append(index)
+        (self.free if clean else self.held).append(index)
 
 
 class RecordedWrites:
@@ -646,10 +654,10 @@ class RecordedWrites:
         return -1 if batch in self._failing else 0
 
 
-def part_writes(writes: RecordedWrites) -> tuple[gathered.PartWrites, CountedSlots]:
+def part_writes(writes: RecordedWrites) -> tuple[send_slots.PartWrites, CountedSlots]:
     staging = CountedSlots()
     staging.writes = writes
-    return gathered.PartWrites(staging, staging.try_take(), writes, SESSION), staging
+    return send_slots.PartWrites(staging, staging.try_take(), writes, SESSION), staging
 
 
 def test_part_writes_reuse_a_slot_only_once_its_writes_ended():
@@ -676,7 +684,8 @@ def test_part_writes_reuse_a_slot_only_once_its_writes_ended():
 def test_part_writes_end_every_write_before_any_slot_goes_back(fault):
     """A failed write, a write that never started, or an exception in the send: every write
     still in flight is waited for (each, even after one failed) before its slot goes back,
-    and once a write failed no slot is lent for another chunk."""
+    once a write failed no slot is lent for another chunk, and the slot a write that did not
+    end cleanly read is held, never free again."""
     writes = RecordedWrites(
         failing=(1,) if fault == "failing" else (), refused=(3,) if fault == "refused" else ()
     )
@@ -686,7 +695,8 @@ def test_part_writes_end_every_write_before_any_slot_goes_back(fault):
         slot = lease.next_slot()
         lease.write(slot, 0, 1000, 16)
         lease.write(slot, 16, 1016, 16)
-        lease.write(lease.next_slot(), 0, 2000, 16)
+        second = lease.next_slot()
+        lease.write(second, 0, 2000, 16)
         if fault == "raises":
             raise RuntimeError("a fault in the send")
         assert lease.next_slot() is None
@@ -694,4 +704,6 @@ def test_part_writes_end_every_write_before_any_slot_goes_back(fault):
     started = [1, 2] if fault == "refused" else [1, 2, 3]  # a refused write has no batch
     assert writes.unwaited == set() and sorted(writes.waited) == started
     assert all(unwaited == 0 for _, unwaited in staging.given_back)
-    assert sorted(staging.free) == list(range(gathered.SLOTS))
+    held = {"failing": [slot], "refused": [second], "raises": []}[fault]
+    assert staging.held == held
+    assert sorted(staging.free + staging.held) == list(range(send_slots.SLOTS))

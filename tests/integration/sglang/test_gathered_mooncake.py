@@ -36,7 +36,7 @@ from test_send_slice_mooncake import (
 )
 
 from gpu_planner.integration.mooncake import handoff
-from gpu_planner.integration.sglang import counters, gathered
+from gpu_planner.integration.sglang import counters, gathered, send_slots
 from gpu_planner.reference import group_runs
 from tests.integration.mooncake.mooncake_peer import two_sides
 
@@ -83,7 +83,7 @@ def test_gathered_send_lands_sglangs_bytes_through_real_engines(monkeypatch, for
                 )
                 assert status == 0
         descriptors = counters.snapshot()["descriptors"] - descriptors_before
-        staging = gathered.staging_for(manager)
+        staging = send_slots.SEND_SLOTS.get(manager)
         chunks = gathered.plan_chunks(buffers, NUM_PAGES, DST_ITEM_LEN, staging.slot_bytes)
         assert spy.methods == [form] * len(chunks)
         dst_runs = len(group_runs(range(NUM_PAGES), dst_pages.tolist()))
@@ -101,4 +101,4 @@ def test_gathered_send_lands_sglangs_bytes_through_real_engines(monkeypatch, for
                 dst = before[index].reshape(POOL_PAGES, PAGE_SIZE, DST_HEADS, HEAD_BYTES).copy()
                 dst[dst_pages] = src[src_pages][:, :, SENT_HEADS]
                 np.testing.assert_array_equal(after[index], dst.reshape(-1))
-        gathered.release_staging(manager)
+        send_slots.SEND_SLOTS.release(manager)

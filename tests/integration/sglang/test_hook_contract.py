@@ -59,7 +59,7 @@ from test_send_handoff import ArraysEngine, sglang_wrapper
 from test_send_slice import BUFFER_SPAN, ORIGINAL_SLICE, ORIGINAL_SWA, many_layer_scenario
 
 import gpu_planner as gp
-from gpu_planner.integration.sglang import bounds, counters, fallback, gathered, send, send_slice
+from gpu_planner.integration.sglang import bounds, counters, fallback, send, send_slice, send_slots
 from gpu_planner.integration.sglang import pages as pages_hook
 
 PlanValidationError = gp.PlanValidationError
@@ -68,7 +68,6 @@ WAIT_S = 30.0  # bound on every wait of a test thread
 SLOW_S = 0.1  # a call still running when the fault hits
 BUSY_S = 2.0  # another send's call holding the executor's thread
 FAILURE_STATUS = 7  # an engine's non-zero status
-PER_TOKEN = {"gather unavailable": 1}  # a TP2 -> TP4 slice send without staging says so
 
 GENERIC = "send_kvcache_generic_hook"
 SLICE = "send_kvcache_slice_hook"
@@ -239,7 +238,7 @@ class Case:
     `patch`: (object, attribute, exception) to raise there; `fault_at`: the
     engine call that fails, by raising `error` (None: by returning
     FAILURE_STATUS), through sglang's wrapper or an `unchecked` one; `knob`:
-    a variable set; `noted`: fallbacks the send counts on its way.
+    a variable set.
     """
 
     outcome: str
@@ -249,7 +248,6 @@ class Case:
     error: type[BaseException] | None = None
     unchecked: bool = False
     knob: tuple[str, str] | None = None
-    noted: dict = dataclasses.field(default_factory=dict)
 
     def engine(self, clean: bool = False) -> FaultyEngine:
         if clean or self.fault_at is None:
@@ -309,23 +307,19 @@ CASES = {
         "layout-rejected": stage(
             SLICE, send_slice, "_kv_slice_layout", PlanValidationError, key="slice rejected"
         ),
-        "staging-lookup": stage(SLICE, gathered, "staging_for", AttributeError),
-        "build": stage(SLICE, send_slice, "_build", MemoryError, noted=PER_TOKEN),
+        "staging-lookup": stage(SLICE, send_slots.SEND_SLOTS, "get", AttributeError),
+        "build": stage(SLICE, send_slice, "_build", MemoryError),
         "build-rejected": stage(
             SLICE,
             send_slice,
             "head_slice_descriptors",
             PlanValidationError,
             key="slice rejected",
-            noted=PER_TOKEN,
         ),
-        "handoff": stage(SLICE, send_slice, "sglang_handoff", noted=PER_TOKEN),
-        **{
-            f"call-{number + 1}-raises": raising_call(SLICE, number, noted=PER_TOKEN)
-            for number in range(4)
-        },
-        "call-2-status": Case("a", fault_at=1, noted=PER_TOKEN),
-        "call-3-raises-in-sglangs-wrapper": Case("a", fault_at=2, error=TypeError, noted=PER_TOKEN),
+        "handoff": stage(SLICE, send_slice, "sglang_handoff"),
+        **{f"call-{number + 1}-raises": raising_call(SLICE, number) for number in range(4)},
+        "call-2-status": Case("a", fault_at=1),
+        "call-3-raises-in-sglangs-wrapper": Case("a", fault_at=2, error=TypeError),
     },
     "swa": {
         "layout": stage(SWA, send_slice, "_swa_layout"),
@@ -365,16 +359,16 @@ def test_a_fault_gives_the_contracts_outcome(hook_name: str, case: Case, monkeyp
     changes = counter_changes(before)
     if case.outcome == "b":
         assert actual == sglang
-        assert changes == {"fallbacks": {case.key: 1, **case.noted}, "failed_sends": {}}
+        assert changes == {"fallbacks": {case.key: 1}, "failed_sends": {}}
     elif case.outcome == "c":
         assert (actual["status"], actual["error"]) == (-1, None)
         assert actual["calls"] == sglang["calls"][: case.fault_at + 1]  # none after the fault
-        assert changes == {"fallbacks": case.noted, "failed_sends": {case.key: 1}}
+        assert changes == {"fallbacks": {}, "failed_sends": {case.key: 1}}
     else:
         assert actual["status"] == sglang_failing["status"] != 0
         assert actual["error"] is None
         assert actual["calls"] == sglang["calls"][: case.fault_at + 1]
-        assert changes == {"fallbacks": case.noted, "failed_sends": {}}
+        assert changes == {"fallbacks": {}, "failed_sends": {}}
 
 
 def test_generic_per_layer_send_whose_await_fails_ends_its_calls_then_gives_minus_one(
@@ -414,8 +408,7 @@ def test_an_interrupt_in_an_engine_call_leaves_the_hook(hook_name: str, executor
     with pytest.raises(KeyboardInterrupt):
         hook.hooked()(manager, **call, executor=executor)
     assert raw.calls == sglang["calls"][:2]  # no call after it, and not sglang's original
-    noted = PER_TOKEN if hook_name == "slice" else {}
-    assert counter_changes(before) == {"fallbacks": noted, "failed_sends": {}}
+    assert counter_changes(before) == {"fallbacks": {}, "failed_sends": {}}
 
 
 # Gathered head-sliced sends: TP2 -> TP4, two layers (four buffers), three pages, a chunk per
@@ -474,7 +467,7 @@ def failing_gathers(monkeypatch, fault: ChunkFault, raw: Faulty) -> list[int]:
     """Gather `fault.gather_at` raises once the calls of the chunks before it started (unless
     `fault.queued`); the gathers begun, in order."""
     begun: list[int] = []
-    gather = gathered.gather_head_slices
+    gather = send_slots.gather_head_slices
 
     def faulty_gather(*args, **kwargs):
         number = len(begun)
@@ -485,13 +478,13 @@ def failing_gathers(monkeypatch, fault: ChunkFault, raw: Faulty) -> list[int]:
             raise fault.error(f"injected fault in gather {number}")
         return gather(*args, **kwargs)
 
-    monkeypatch.setattr(gathered, "gather_head_slices", faulty_gather)
+    monkeypatch.setattr(send_slots, "gather_head_slices", faulty_gather)
     return begun
 
 
 def staged_calls(manager, calls) -> list:
     """`calls` with each source relative to `manager`'s staging region (sends compare)."""
-    base = gathered.staging_for(manager).region.data_ptr()
+    base = send_slots.SEND_SLOTS.get(manager).region.data_ptr()
     return [
         (session, [src - base for src in srcs], dsts, lens) for session, srcs, dsts, lens in calls
     ]
@@ -558,7 +551,9 @@ def test_a_fault_in_a_gathered_send_gives_the_contracts_outcome(fault: ChunkFaul
         in_flight = raw.in_flight
     changes = counter_changes(before)
     assert in_flight == 0  # every call the hook started ended before it returned
-    assert gathered.staging_for(manager).free_slots == gathered.SLOTS
+    slots = send_slots.SEND_SLOTS.get(manager)
+    held = 0 if fault.call_at is None else 1  # a failed call's slot: the engine may still read it
+    assert (slots.free_slots, slots.held_slots) == (send_slots.SLOTS - held, held)
     if fault.outcome == "b":
         assert actual == sglang
         assert raw.calls == sglang_raw.calls  # sglang's per-token calls, no chunk's

@@ -244,4 +244,4 @@ def test_a_staging_hook_that_cannot_register_keeps_its_whole_set_out(
     frames = [b"sglang's registration"]
     hooked = receive_staging.registration_message_hook(lambda _: frames, decode)
     assert (hooked is frames) == (group == DECODE_STAGING)  # advertised only with every hook
-    receive_staging.release_region(decode)
+    receive_staging.REGIONS.release(decode)

@@ -27,7 +27,7 @@ from suite_support import set_knob
 
 from gpu_planner import settings
 from gpu_planner.cuda_runtime import cuda_runtime
-from gpu_planner.integration.sglang import counters, receive_staging, staged_send
+from gpu_planner.integration.sglang import counters, prefill_routes, receive_staging
 from gpu_planner.integration.sglang.frames import KVRegistration, TransferRequest
 from gpu_planner.integration.sglang.staging_wire import (
     DECLARED_TAG,
@@ -127,7 +127,7 @@ class Decode:
 
     @property
     def region(self) -> receive_staging.ReceiveRegion | None:
-        return receive_staging.existing_region(self.manager)
+        return receive_staging.REGIONS.existing(self.manager)
 
     def advertise(self) -> tuple[list[bytes], list[bytes]]:
         """(sglang's registration frames, what the hooked builder returns)."""
@@ -240,8 +240,8 @@ def decodes(staging_bytes):
 
     yield make
     for decode in made:
-        receive_staging.release_region(decode.manager)
-    staged_send.forget_peers()
+        receive_staging.REGIONS.release(decode.manager)
+    prefill_routes.ROUTES.forget()
 
 
 @pytest.fixture
@@ -330,7 +330,7 @@ def test_the_region_is_registered_once_and_advertised(decodes, staging_bytes):
     assert first[: len(frames)] == frames and second == first
     assert Capability.from_registration(first) == Capability(address, REGION_BYTES)
     assert region.free_bytes == REGION_BYTES and region.lent_rooms == 0
-    receive_staging.release_region(decode.manager)
+    receive_staging.REGIONS.release(decode.manager)
     assert decode.engine.calls[-1] == ("deregister", address)
     assert decode.region is None
 
@@ -623,7 +623,7 @@ def test_no_room_succeeds_without_its_bytes_and_every_part_comes_back(staging_by
         region.reserve(manager.request_status, 10**6, np.zeros(0, np.int64), None)  # a sweep
         assert region.lent_rooms == 0 and region.free_bytes == region.region.numel()
     finally:
-        receive_staging.release_region(manager)
+        receive_staging.REGIONS.release(manager)
 
 
 def check_parts(region: receive_staging.ReceiveRegion) -> None:
@@ -1040,13 +1040,15 @@ CAPABILITY = Capability(1 << 40, 1 << 20)
 @pytest.fixture
 def prefill():
     yield
-    staged_send.forget_peers()
+    prefill_routes.ROUTES.forget()
 
 
 def registered(pool_frames: list[bytes], extra: list[bytes]):
     before = counters.snapshot()["fallbacks"].get("staging advertisement ignored", 0)
     msg = pool_frames + extra
-    info = staged_send.registration_info_hook(REGISTRATION_FROM_ZMQ, conn.KVArgsRegisterInfo, msg)
+    info = prefill_routes.registration_info_hook(
+        REGISTRATION_FROM_ZMQ, conn.KVArgsRegisterInfo, msg
+    )
     ignored = counters.snapshot()["fallbacks"].get("staging advertisement ignored", 0) - before
     return info, ignored
 
@@ -1055,9 +1057,9 @@ def test_a_capability_is_kept_per_decode_session(prefill):
     frames = registration_frames(Pool(ITEM_LENS, 0))
     info, ignored = registered(frames, CAPABILITY.frames())
     assert info == REGISTRATION_FROM_ZMQ(conn.KVArgsRegisterInfo, frames)
-    assert staged_send._peers == {SESSION: CAPABILITY} and ignored == 0
+    assert prefill_routes.ROUTES.capability(SESSION) == CAPABILITY and ignored == 0
     registered(frames, [])  # a plain registration from the same session: forgotten
-    assert staged_send._peers == {}
+    assert prefill_routes.ROUTES.capability(SESSION) is None
 
 
 @pytest.mark.parametrize(
@@ -1074,7 +1076,7 @@ def test_a_hostile_capability_is_ignored_and_the_peer_forgotten(prefill, extra):
     registered(frames, CAPABILITY.frames())
     info, ignored = registered(frames, extra)  # never raises
     assert info == REGISTRATION_FROM_ZMQ(conn.KVArgsRegisterInfo, frames)
-    assert ignored == 1 and SESSION not in staged_send._peers
+    assert ignored == 1 and prefill_routes.ROUTES.capability(SESSION) is None
 
 
 def transfer_message(room: int, pages: np.ndarray, extra: list[bytes], dummy=False) -> list:
@@ -1088,7 +1090,7 @@ def transfer_message(room: int, pages: np.ndarray, extra: list[bytes], dummy=Fal
 
 def parsed(msg: list[bytes]):
     before = counters.snapshot()["fallbacks"].get("staging reservation ignored", 0)
-    info = staged_send.transfer_info_hook(TRANSFER_FROM_ZMQ, conn.TransferInfo, msg)
+    info = prefill_routes.transfer_info_hook(TRANSFER_FROM_ZMQ, conn.TransferInfo, msg)
     ignored = counters.snapshot()["fallbacks"].get("staging reservation ignored", 0) - before
     return info, ignored
 
@@ -1100,7 +1102,7 @@ def test_a_reservation_gives_the_request_a_route(prefill):
     info, ignored = parsed(transfer_message(77, pages, reservation.frames()))
     assert ignored == 0
     np.testing.assert_array_equal(info.dst_kv_indices, pages)
-    route, first = staged_send.route_for(info.dst_kv_indices)
+    route, first = prefill_routes.ROUTES.route_for(info.dst_kv_indices)
     assert first == 0
     assert (route.room, route.session, route.endpoint, route.port) == (
         77,
@@ -1109,18 +1111,18 @@ def test_a_reservation_gives_the_request_a_route(prefill):
         17000,
     )
     assert route.region == CAPABILITY and route.reservation == reservation
-    assert staged_send.route_for(info.dst_kv_indices[3:7]) == (route, 3)
-    assert staged_send.route_for(info.dst_kv_indices[2:][1:3]) == (route, 3)
-    assert staged_send.route_for(info.dst_kv_indices[9:]) == (route, 9)
-    assert staged_send.route_for(info.dst_kv_indices[3:7].copy()) is None
-    assert staged_send.route_for(info.dst_kv_indices[::2]) is None
-    assert staged_send.route_for(info.dst_kv_indices[1::3]) is None
-    assert staged_send.route_for(info.dst_kv_indices.view(np.uint32)[3:7]) is None
-    assert staged_send.route_for(info.dst_kv_indices.astype(np.int64)[3:7]) is None
-    assert staged_send.route_for(pages[3:7]) is None  # the same pages, another array
+    assert prefill_routes.ROUTES.route_for(info.dst_kv_indices[3:7]) == (route, 3)
+    assert prefill_routes.ROUTES.route_for(info.dst_kv_indices[2:][1:3]) == (route, 3)
+    assert prefill_routes.ROUTES.route_for(info.dst_kv_indices[9:]) == (route, 9)
+    assert prefill_routes.ROUTES.route_for(info.dst_kv_indices[3:7].copy()) is None
+    assert prefill_routes.ROUTES.route_for(info.dst_kv_indices[::2]) is None
+    assert prefill_routes.ROUTES.route_for(info.dst_kv_indices[1::3]) is None
+    assert prefill_routes.ROUTES.route_for(info.dst_kv_indices.view(np.uint32)[3:7]) is None
+    assert prefill_routes.ROUTES.route_for(info.dst_kv_indices.astype(np.int64)[3:7]) is None
+    assert prefill_routes.ROUTES.route_for(pages[3:7]) is None  # the same pages, another array
     del info, route
     gc.collect()
-    assert staged_send._routes == {}  # forgotten with its TransferInfo
+    assert prefill_routes.ROUTES.lent_requests == 0  # forgotten with its TransferInfo
 
 
 @pytest.mark.parametrize(
@@ -1138,19 +1140,24 @@ def test_a_reservation_that_does_not_fit_records_no_route(prefill, reservation, 
     assert ignored == 1
     assert info.room == 77 and not info.is_dummy  # sglang's parse, unchanged
     np.testing.assert_array_equal(info.dst_kv_indices, distinct_pages(0, pages))
-    assert staged_send._routes == {} and staged_send.route_for(info.dst_kv_indices) is None
+    assert (
+        prefill_routes.ROUTES.lent_requests == 0
+        and prefill_routes.ROUTES.route_for(info.dst_kv_indices) is None
+    )
 
 
 def test_no_route_without_a_capability_or_for_a_dummy(prefill):
     reservation = Reservation(3, 0, 10 * PAGE_BYTES, 10)
     info, ignored = parsed(transfer_message(77, distinct_pages(0, 10), reservation.frames()))
-    assert ignored == 0 and staged_send.route_for(info.dst_kv_indices) is None  # unknown peer
+    assert (
+        ignored == 0 and prefill_routes.ROUTES.route_for(info.dst_kv_indices) is None
+    )  # unknown peer
     registered(registration_frames(Pool(ITEM_LENS, 0)), CAPABILITY.frames())
     info, ignored = parsed(transfer_message(78, distinct_pages(0, 10), [], dummy=False))
-    assert staged_send._routes == {}  # no reservation frames
+    assert prefill_routes.ROUTES.lent_requests == 0  # no reservation frames
     dummy = transfer_message(79, distinct_pages(0, 10), reservation.frames(), dummy=True)
     info, ignored = parsed(dummy)
-    assert info.is_dummy and staged_send._routes == {} and ignored == 0
+    assert info.is_dummy and prefill_routes.ROUTES.lent_requests == 0 and ignored == 0
 
 
 def test_the_status_and_chunk_hooks_pass_an_unhashable_managers_calls_to_sglang():
@@ -1188,7 +1195,7 @@ def test_a_region_overlapping_the_decodes_kv_is_ignored(prefill, where):
     address = pool.ptrs[0] - 256 if where == "a KV buffer's base" else pool.ptrs[1] + 8
     info, ignored = registered(frames, Capability(address, 4096).frames())
     assert info == REGISTRATION_FROM_ZMQ(conn.KVArgsRegisterInfo, frames)
-    assert ignored == 1 and SESSION not in staged_send._peers
+    assert ignored == 1 and prefill_routes.ROUTES.capability(SESSION) is None
 
 
 def test_a_prefills_success_declares_its_notes_per_lent_request(prefill):
@@ -1199,7 +1206,7 @@ def test_a_prefills_success_declares_its_notes_per_lent_request(prefill):
     registered(registration_frames(Pool(ITEM_LENS, 0)), CAPABILITY.frames())
     reservation = Reservation(3, 4096, 10 * PAGE_BYTES, 10)
     info, _ = parsed(transfer_message(77, distinct_pages(0, 10), reservation.frames()))
-    route, _ = staged_send.route_for(info.dst_kv_indices)
+    route, _ = prefill_routes.ROUTES.route_for(info.dst_kv_indices)
     route.staged_notes = 2
     manager = make_manager(None)
     manager.transfer_infos = {77: {SESSION: info}}
@@ -1208,7 +1215,7 @@ def test_a_prefills_success_declares_its_notes_per_lent_request(prefill):
         def original(manager, **kwargs):
             return [str(room).encode(), str(status).encode(), b"0"]
 
-        return staged_send.status_message_hook(
+        return prefill_routes.status_message_hook(
             original, manager, bootstrap_room=room, status=status, failure_reason=None
         )
 

@@ -38,9 +38,11 @@ from gpu_planner import settings
 from gpu_planner.integration.sglang import (
     adapter,
     counters,
-    gathered,
     path_cost,
+    prefill_routes,
     receive_staging,
+    send_path,
+    send_slots,
     staged_send,
 )
 from gpu_planner.integration.sglang.frames import KVRegistration, TransferRequest
@@ -74,12 +76,12 @@ def fragmented(rng: np.random.Generator, count: int, dtype=np.int32) -> np.ndarr
     return runs.reshape(-1)[:count].astype(dtype)
 
 
-def all_slots_back(staging: gathered.GatherStaging, within_s: float = 10.0) -> bool:
-    """Whether every send staging slot is free, once the engine calls still reading one end:
-    a failed send returns at its first failed piece, as sglang's sends do, and a piece still
-    on the wire gives its slot back when its call ends."""
+def all_slots_back(staging: send_slots.SendSlots, held: int = 0, within_s: float = 10.0) -> bool:
+    """Whether every send slot is free but `held` (a write that failed read them: held), once
+    the engine calls still reading one end: a failed send returns at its first failed piece,
+    as sglang's sends do, and a piece still on the wire gives its slot back when its call ends."""
     deadline = time.monotonic() + within_s
-    while staging.free_slots != gathered.SLOTS:
+    while (staging.free_slots, staging.held_slots) != (send_slots.SLOTS - held, held):
         if time.monotonic() > deadline:
             return False
         time.sleep(0.001)
@@ -199,8 +201,8 @@ class Deployment:
         return landed
 
     def close(self) -> None:
-        receive_staging.release_region(self.decode)
-        gathered.release_staging(self.prefill)
+        receive_staging.REGIONS.release(self.decode)
+        send_slots.SEND_SLOTS.release(self.prefill)
         for pool in (self.source, self.destination):
             pool.close()
 
@@ -220,7 +222,7 @@ def deployments(engines, monkeypatch):
     yield make
     for deployment in made:
         deployment.close()
-    staged_send.forget_peers()
+    prefill_routes.ROUTES.forget()
 
 
 @pytest.mark.parametrize(
@@ -257,7 +259,7 @@ def test_a_staged_send_lands_what_sglangs_send_lands(
     assert staged == chunks
     assert after["descriptors"] - before["descriptors"] == pieces  # one per slot-sized piece
     assert after["staged_scatters"] - before["staged_scatters"] == pieces
-    region = receive_staging.existing_region(deployment.decode)
+    region = receive_staging.REGIONS.existing(deployment.decode)
     assert region.lent_rooms == 0  # Success gave the part back
 
 
@@ -277,19 +279,19 @@ class PieceTimeline:
         self, monkeypatch, deployment: Deployment, path: str, failing_write: int | None = None
     ):
         self.events: list[str] = []
-        self.lowest_free_slots = gathered.SLOTS
+        self.lowest_free_slots = send_slots.SLOTS
         self._lock = threading.Lock()
         self._gathered = [threading.Event() for _ in range(16)]
         self._failing_write = failing_write
         self._writes = iter(range(16))
         self._gathers = iter(range(16))
         self._pieces: dict[int, int] = {}  # a parts write's batch -> its piece
-        self._staging = gathered.staging_for(deployment.prefill)
+        self._staging = send_slots.SEND_SLOTS.get(deployment.prefill)
         if path == "executor":
-            monkeypatch.setattr(staged_send, "_part_writes", lambda *_: None)
-            gather, write = staged_send.gather_into_slot, gathered.write_chunk
+            monkeypatch.setattr(staged_send, "part_writes", lambda *_: None)
+            gather, write = staged_send.gather_into_slot, send_slots.write_chunk
             monkeypatch.setattr(staged_send, "gather_into_slot", self._spy(gather, self._gather))
-            monkeypatch.setattr(gathered, "write_chunk", self._spy(write, self._write))
+            monkeypatch.setattr(send_slots, "write_chunk", self._spy(write, self._write))
         else:
             monkeypatch.setattr(staged_send, "PART_BYTES", 1 << 40)  # one part per piece
             parts = staged_send.gather_in_parts
@@ -371,7 +373,7 @@ def test_the_next_piece_is_gathered_while_one_is_on_the_wire(deployments, monkey
     assert timeline.before("gather 1 ended", "write 0 ended")  # overlap
     assert timeline.before("write 0 ended", "gather 2")  # a slot is reused after its call
     assert timeline.events[-1] == "note" and timeline.before("write 2 ended", "note")
-    assert timeline.lowest_free_slots == gathered.SLOTS - 2  # a send holds two slots at most
+    assert timeline.lowest_free_slots == send_slots.SLOTS - 2  # a send holds two slots at most
     assert all_slots_back(timeline._staging)
     deployment.deliver(5)
     assert deployment.decode.request_status[5] == KV_POLL_SUCCESS
@@ -381,14 +383,15 @@ def test_the_next_piece_is_gathered_while_one_is_on_the_wire(deployments, monkey
 @pytest.mark.parametrize("path", WRITE_PATHS)
 def test_a_failed_piece_fails_the_send_without_a_note(deployments, monkeypatch, path):
     """Piece 1's call fails: the send returns sglang's -1, no piece is gathered after the
-    failure was seen, the decode gets no note (it scatters nothing), and every slot comes back."""
+    failure was seen, the decode gets no note (it scatters nothing), every other slot comes back
+    and the failed piece's slot is held (the engine may still read it)."""
     deployment = deployments([256] * 8, 0, seed=23)
     rng = np.random.default_rng(24)
     src_pages, host_pages = fragmented(rng, 40, np.int64), fragmented(rng, 40)  # five pieces
     timeline = PieceTimeline(monkeypatch, deployment, path, failing_write=1)
     info = deployment.request(6, host_pages, None)
     assert deployment.send(info, src_pages, slice(0, 40)) == -1
-    assert all_slots_back(timeline._staging)
+    assert all_slots_back(timeline._staging, held=1)
     assert "note" not in timeline.events and not deployment.notes
     failed_at = timeline.events.index("write 1 ended")
     # The spy logs the failed call before its future is done: one gather may start in between.
@@ -450,7 +453,7 @@ def test_a_refused_note_fails_the_request_instead_of_landing_partial_kv(deployme
     assert deployment.decode.request_status[9] == KV_POLL_FAILED
     assert "gpu_planner" in deployment.decode.failure_records[9]
     assert not deployment.destination.tensor.numpy().any()  # nothing scattered
-    region = receive_staging.existing_region(deployment.decode)
+    region = receive_staging.REGIONS.existing(deployment.decode)
     assert region.lent_rooms == 1  # quarantined: a prefill may still write there
 
 
@@ -478,7 +481,7 @@ def test_a_plain_decode_gets_todays_descriptors(engines, monkeypatch, item_lens,
         np.testing.assert_array_equal(deployment.destination.tensor.numpy(), expected)
     finally:
         deployment.close()
-        staged_send.forget_peers()
+        prefill_routes.ROUTES.forget()
 
 
 @pytest.mark.parametrize(
@@ -511,7 +514,7 @@ def test_a_send_below_the_gate_goes_as_planned_counted(
     assert after["fallbacks"] == before["fallbacks"]  # a choice, not a fallback
     np.testing.assert_array_equal(deployment.destination.tensor.numpy(), expected)
     deployment.deliver(12)
-    assert receive_staging.existing_region(deployment.decode).lent_rooms == 0
+    assert receive_staging.REGIONS.existing(deployment.decode).lent_rooms == 0
 
 
 def test_a_staged_choice_whose_request_does_not_line_up_goes_direct_counted(deployments):
@@ -534,7 +537,7 @@ def test_a_staged_choice_whose_request_does_not_line_up_goes_direct_counted(depl
 
     assert not deployment.notes and grew("sends", "generic/arrays") == 1
     assert grew("paths_chosen", f"direct/{reason}") == 1
-    assert grew("fallbacks", f"not staged: {reason}") == 1
+    assert after["fallbacks"] == before["fallbacks"]  # the hook's own send: not a fallback
     assert grew("paths_chosen", f"staged/{path_cost.PASSES_GATE}") == 0
     np.testing.assert_array_equal(deployment.destination.tensor.numpy(), expected)
     assert deployment.send(info, src_pages, slice(0, 32)) == 0
@@ -542,6 +545,133 @@ def test_a_staged_choice_whose_request_does_not_line_up_goes_direct_counted(depl
     assert len(deployment.notes) == 1
     assert grew("paths_chosen", f"staged/{path_cost.PASSES_GATE}") == 1
     deployment.deliver(14)
+
+
+class RecordedCosts(path_cost.PathCosts):
+    """The process's model, keeping what the send path told it: the paths taken, the sends
+    observed (public calls only)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.taken_paths: list[str] = []
+        self.observed_paths: list[str] = []
+
+    def taken(self, peer, choice, path) -> None:
+        self.taken_paths.append(path)
+        super().taken(peer, choice, path)
+
+    def observe(self, peer, path, requests, nbytes, seconds, ok=True) -> bool:
+        self.observed_paths.append(path)
+        return super().observe(peer, path, requests, nbytes, seconds, ok)
+
+
+def count_changes(before: dict, after: dict, table: str) -> dict[str, int]:
+    return {
+        key: count - before[table].get(key, 0)
+        for key, count in after[table].items()
+        if count != before[table].get(key, 0)
+    }
+
+
+def test_a_staged_choice_that_finds_every_slot_lent_is_counted_once_as_direct(deployments):
+    """The gate prices the send staged and the request lines up, but every send slot is lent
+    to other sends: it goes direct, counted once under that path with that reason, the model
+    told it went direct (no staged choice), and sglang's bytes land."""
+    deployment = deployments([256] * 8, 0, seed=15)
+    rng = np.random.default_rng(16)
+    src_pages, host_pages = fragmented(rng, 32, np.int64), fragmented(rng, 32)
+    expected = deployment.sglang_bytes(src_pages, host_pages, None)
+    info = deployment.request(15, host_pages, None)
+    slots = send_slots.SEND_SLOTS.get(deployment.prefill)
+    lent = [slots.try_take() for _ in range(send_slots.SLOTS)]
+    costs = RecordedCosts.from_settings()
+    before = counters.snapshot()
+    try:
+        with path_cost.deciding(costs):
+            assert deployment.send(info, src_pages, slice(0, 32)) == 0
+    finally:
+        for slot in lent:
+            slots.give_back(slot)
+    after = counters.snapshot()
+    assert count_changes(before, after, "paths_chosen") == {
+        f"{send_path.DIRECT}/{send_path.SLOTS_BUSY}": 1
+    }
+    assert count_changes(before, after, "sends") == {"generic/arrays": 1}
+    assert after["fallbacks"] == before["fallbacks"]
+    assert costs.taken_paths == [send_path.DIRECT]
+    assert costs.observed_paths == [send_path.DIRECT]
+    assert not deployment.notes
+    deployment.deliver(15)
+    assert deployment.decode.request_status[15] == KV_POLL_SUCCESS
+    np.testing.assert_array_equal(deployment.destination.tensor.numpy(), expected)
+
+
+def test_two_threads_with_one_slot_count_each_send_under_the_path_it_took(deployments, monkeypatch):
+    """Two sends to one peer, one free slot: the first holds it while it gathers, the second
+    decides meanwhile and goes direct. `paths_chosen` by path equals the sends each hook
+    counted, the model is told each path once and observes what ran, and both requests
+    land sglang's bytes."""
+    deployment = deployments([256] * 8, 0, seed=17)
+    rng = np.random.default_rng(18)
+    src_pages = fragmented(rng, 32, np.int64)
+    both = fragmented(rng, 64)
+    host_pages = [both[:32], both[32:]]  # two requests' own pages
+    slots = send_slots.SEND_SLOTS.get(deployment.prefill)
+    lent = [slots.try_take() for _ in range(send_slots.SLOTS - 1)]
+    gathering, second_decided = threading.Event(), threading.Event()
+    gather_in_parts = staged_send.gather_in_parts
+
+    def held_gather(*args, **kwargs):
+        gathering.set()
+        assert second_decided.wait(30)
+        yield from gather_in_parts(*args, **kwargs)
+
+    monkeypatch.setattr(staged_send, "gather_in_parts", held_gather)
+    costs = RecordedCosts.from_settings()
+    infos = [deployment.request(room, host_pages[room - 20], None) for room in (20, 21)]
+    before = counters.snapshot()
+    try:
+        with path_cost.deciding(costs), concurrent.futures.ThreadPoolExecutor(2) as pool:
+            first = pool.submit(deployment.send, infos[0], src_pages, slice(0, 32))
+            assert gathering.wait(30)
+            second = pool.submit(deployment.send, infos[1], src_pages, slice(0, 32))
+            assert second.result(timeout=30) == 0
+            second_decided.set()
+            assert first.result(timeout=30) == 0
+    finally:
+        second_decided.set()
+        for slot in lent:
+            slots.give_back(slot)
+    after = counters.snapshot()
+    chosen = count_changes(before, after, "paths_chosen")
+    sends = count_changes(before, after, "sends")
+    assert chosen == {
+        f"{send_path.STAGED}/{path_cost.PASSES_GATE}": 1,
+        f"{send_path.DIRECT}/{send_path.SLOTS_BUSY}": 1,
+    }
+    assert sends == {"staged/arrays": 1, "generic/arrays": 1}
+    assert sorted(costs.taken_paths) == sorted(costs.observed_paths) == ["direct", "staged"]
+    assert after["fallbacks"] == before["fallbacks"]
+    assert len(deployment.notes) == 1
+    for room in (20, 21):
+        deployment.deliver(room)
+        assert deployment.decode.request_status[room] == KV_POLL_SUCCESS
+    reference = kv_pool(deployment.destination.engine, deployment.destination.item_lens, None)
+    try:
+        for pages in host_pages:
+            status = ORIGINALS["send"](
+                deployment.prefill, mooncake_session_id=deployment.session,
+                src_data_ptrs=deployment.source.ptrs, dst_data_ptrs=reference.ptrs,
+                item_lens=deployment.source.item_lens, prefill_data_indices=src_pages,
+                dst_data_indices=pages, executor=None, dst_device_data_indices=None,
+                dst_device_data_ptrs=None,
+            )  # fmt: skip
+            assert status == 0
+        np.testing.assert_array_equal(
+            deployment.destination.tensor.numpy(), reference.tensor.numpy()
+        )
+    finally:
+        reference.close()
 
 
 SLICE_SEND = inspect.unwrap(conn.MooncakeKVManager.send_kvcache_slice)  # sglang's own
@@ -624,16 +754,16 @@ def test_tp_down_ranks_and_head_replicas_land_sglangs_bytes(
                 assert conn.MooncakeKVManager.handle_chunk_ready(decode, note) is True
             notes.clear()
             deliver_status(prefill, decode, room, KV_POLL_SUCCESS)
-            gathered.release_staging(prefill)
+            send_slots.SEND_SLOTS.release(prefill)
         assert decode.request_status[room] == KV_POLL_SUCCESS
         assert counters.snapshot()["sends"].get("staged/arrays", 0) - before == prefill_tp
         np.testing.assert_array_equal(destination.tensor.numpy(), reference.tensor.numpy())
-        assert receive_staging.existing_region(decode).lent_rooms == 0
+        assert receive_staging.REGIONS.existing(decode).lent_rooms == 0
     finally:
-        receive_staging.release_region(decode)
+        receive_staging.REGIONS.release(decode)
         for pool in (*sources, destination, reference):
             pool.close()
-        staged_send.forget_peers()
+        prefill_routes.ROUTES.forget()
 
 
 def test_pipeline_stages_send_direct_and_land_sglangs_bytes(deployments):
@@ -648,7 +778,7 @@ def test_pipeline_stages_send_direct_and_land_sglangs_bytes(deployments):
     info = deployment.request(room, host_pages, None)
     deployment.decode.required_prefill_response_num_table[room] = 2
     reference = kv_pool(deployment.destination.engine, [256] * 16, None)
-    key = "not staged: the send writes only some of the decode's KV buffers (a pipeline stage)"
+    key = f"direct/{staged_send.PIPELINE_STAGE}"
     before = counters.snapshot()
     stages = []
     try:
@@ -679,7 +809,8 @@ def test_pipeline_stages_send_direct_and_land_sglangs_bytes(deployments):
             assert own == 0
             deliver_status(prefill, deployment.decode, room, KV_POLL_SUCCESS)
         after = counters.snapshot()
-        assert after["fallbacks"].get(key, 0) - before["fallbacks"].get(key, 0) == 2
+        assert after["paths_chosen"].get(key, 0) - before["paths_chosen"].get(key, 0) == 2
+        assert after["fallbacks"] == before["fallbacks"]
         assert after["sends"].get("staged/arrays", 0) == before["sends"].get("staged/arrays", 0)
         assert deployment.decode.request_status[room] == KV_POLL_SUCCESS
         np.testing.assert_array_equal(
@@ -689,7 +820,7 @@ def test_pipeline_stages_send_direct_and_land_sglangs_bytes(deployments):
     finally:
         reference.close()
         for prefill in stages:
-            gathered.release_staging(prefill)
+            send_slots.SEND_SLOTS.release(prefill)
 
 
 @pytest.mark.parametrize("ending", ["abort", "waiting timeout", "clear"])
@@ -706,12 +837,12 @@ def test_a_reused_room_lands_its_own_bytes_and_never_the_previous_requests(deplo
     first_pages, second_pages = pages[:num_pages], pages[num_pages:]
     first_src, second_src = (fragmented(rng, num_pages, np.int64) for _ in range(2))
     expected = deployment.sglang_bytes(second_src, second_pages, None)
-    region = receive_staging.existing_region(decode)
+    region = receive_staging.REGIONS.existing(decode)
 
     first = conn.MooncakeKVReceiver(decode, "127.0.0.1:8998", room)
     first.init_time = 0.0  # its metadata went out long ago: past sglang's waiting timeout
     first_info = deployment.request(room, first_pages, None)
-    first_route, _ = staged_send.route_for(first_info.dst_kv_indices[:])
+    first_route, _ = prefill_routes.ROUTES.route_for(first_info.dst_kv_indices[:])
     assert deployment.send(first_info, first_src, slice(0, num_pages)) == 0
     stale_notes, deployment.notes = deployment.notes, []
     if ending == "abort":
@@ -723,7 +854,7 @@ def test_a_reused_room_lands_its_own_bytes_and_never_the_previous_requests(deplo
 
     second = conn.MooncakeKVReceiver(decode, "127.0.0.1:8998", room)
     second_info = deployment.request(room, second_pages, None)
-    second_route, _ = staged_send.route_for(second_info.dst_kv_indices[:])
+    second_route, _ = prefill_routes.ROUTES.route_for(second_info.dst_kv_indices[:])
     assert second_route.reservation.reservation_id != first_route.reservation.reservation_id
     assert second_route.reservation.offset != first_route.reservation.offset
     dropped = counters.snapshot()["receive_staging_fallbacks"].get(
@@ -785,14 +916,17 @@ def test_two_thousand_sends_some_to_a_dead_region_leak_no_slot_part_or_memory(
     import tracemalloc
 
     monkeypatch.setattr(receive_staging, "QUARANTINE_S", 0.0)
+    monkeypatch.setattr(send_slots, "HOLD_TIMEOUTS", 0)  # a failed send's slot is back at once
     deployment = deployments([256] * 8, 0, seed=12)
-    staged_send._peers[DEAD_SESSION] = staged_send._peers[deployment.session]
+    prefill_routes.ROUTES.advertised(
+        DEAD_SESSION, prefill_routes.ROUTES.capability(deployment.session)
+    )
     registration = deployment.prefill.decode_kv_args_table[deployment.session]
     deployment.prefill.decode_kv_args_table[DEAD_SESSION] = registration
     rng = np.random.default_rng(13)
     src_pages, host_pages = fragmented(rng, 16, np.int64), fragmented(rng, 16)
-    region = receive_staging.existing_region(deployment.decode)
-    staging = gathered.staging_for(deployment.prefill)
+    region = receive_staging.REGIONS.existing(deployment.decode)
+    staging = send_slots.SEND_SLOTS.get(deployment.prefill)
     tracemalloc.start()
     try:
         for room in range(2000):
@@ -801,9 +935,9 @@ def test_two_thousand_sends_some_to_a_dead_region_leak_no_slot_part_or_memory(
             info = deployment.request(room, host_pages, None)
             dead = room % 10 == 9
             if dead:  # the decode is gone: its session refuses connections
-                route, _ = staged_send.route_for(info.dst_kv_indices[:])
-                staged_send._routes[id(info.dst_kv_indices)] = dataclasses.replace(
-                    route, session=DEAD_SESSION
+                route, _ = prefill_routes.ROUTES.route_for(info.dst_kv_indices[:])
+                prefill_routes.ROUTES.lend(
+                    info.dst_kv_indices, dataclasses.replace(route, session=DEAD_SESSION)
                 )
             status = deployment.send(
                 info, src_pages, slice(0, 16), session=DEAD_SESSION if dead else None

@@ -30,7 +30,14 @@ from test_layer_calls import CountingPool
 from test_send_handoff import ArraysEngine, ListEngine, sglang_wrapper
 
 from gpu_planner.block_pool import BlockPool
-from gpu_planner.integration.sglang import counters, plugin, send_slice, staged_send
+from gpu_planner.integration.sglang import (
+    counters,
+    plugin,
+    prefill_routes,
+    send_path,
+    send_slice,
+    staged_send,
+)
 from gpu_planner.integration.sglang.staging_wire import Capability
 
 ORIGINAL_SLICE = inspect.unwrap(conn.MooncakeKVManager.send_kvcache_slice)
@@ -452,14 +459,15 @@ def test_one_task_sends_every_layer_in_sglangs_order(num_layers: int, workers: i
 
 
 @pytest.mark.parametrize("offered", [True, False], ids=["staging decode", "plain decode"])
-def test_a_tp_down_send_that_cannot_be_staged_is_counted(monkeypatch, offered: bool):
+def test_a_tp_down_send_that_cannot_be_staged_is_counted(offered: bool):
     """TP 2 -> 1 with one KV head (replicated): each prefill token fills a whole decode token
-    slot, no share of it, so the slices cannot be staged. Toward a decode that offers receive
-    staging the send goes as sglang's, counted `not staged: <why>`; toward one that does not,
-    as sglang's, counted nothing."""
-    monkeypatch.setattr(staged_send, "_peers", {})
+    slot, no share of it, so the slices cannot be staged. The send goes per token, as sglang's,
+    counted once under that path with why: the slices, toward a decode that offers receive
+    staging; the decode's offer, toward one that does not. No fallback is counted."""
+    routes = prefill_routes.ROUTES
+    routes.forget()
     if offered:
-        staged_send._peers[SESSION] = Capability(address=2**50, nbytes=1 << 20)
+        routes.advertised(SESSION, Capability(address=2**50, nbytes=1 << 20))
     scenario = {
         "kv_args": {
             "kv_data_ptrs": buffer_ptrs(SRC_BASE, 2),
@@ -483,11 +491,22 @@ def test_a_tp_down_send_that_cannot_be_staged_is_counted(monkeypatch, offered: b
         "manager": {},
         "tp": 2,
     }
-    key = f"not staged: {staged_send.NOT_ONE_SHARE}"
+    why = staged_send.NOT_ONE_SHARE if offered else send_path.NO_STAGING_OFFERED
+    key = f"{send_path.PER_TOKEN}/{why}"
     expected = run(ORIGINAL_SLICE, scenario, ArraysEngine(), ONE_THREAD)
-    before = counters.snapshot()["fallbacks"]
-    actual = run(conn.MooncakeKVManager.send_kvcache_slice, scenario, ArraysEngine(), ONE_THREAD)
-    after = counters.snapshot()["fallbacks"]
+    before = counters.snapshot()
+    try:
+        actual = run(
+            conn.MooncakeKVManager.send_kvcache_slice, scenario, ArraysEngine(), ONE_THREAD
+        )
+    finally:
+        routes.forget()
+    after = counters.snapshot()
     assert actual == expected and expected["status"] == 0 and len(expected["calls"]) == 2
-    assert after.get(key, 0) - before.get(key, 0) == (1 if offered else 0)
-    assert {reason for reason in after if reason.startswith("not staged:")} <= set(before) | {key}
+    chosen = {
+        path: count - before["paths_chosen"].get(path, 0)
+        for path, count in after["paths_chosen"].items()
+        if count != before["paths_chosen"].get(path, 0)
+    }
+    assert chosen == {key: 1}
+    assert after["fallbacks"] == before["fallbacks"]

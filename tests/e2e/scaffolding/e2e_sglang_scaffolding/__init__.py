@@ -86,9 +86,9 @@ def register() -> None:
 
         staged_send._notify = _holding_notify(staged_send._notify)
     if os.environ.get(COST_MODEL_FLAG_ENV):
-        from gpu_planner.integration.sglang import staged_send
+        from gpu_planner.integration.sglang import send_path
 
-        staged_send.path_costs = _model_while_flagged(staged_send.path_costs)
+        send_path.path_costs = _model_while_flagged(send_path.path_costs)
 
 
 def corrupt_one_send(original, manager, session, src_pages, dst_ptrs, dst_pages, *args, **kwargs):
