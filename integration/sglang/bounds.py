@@ -29,7 +29,6 @@ say which (`send._plan`).
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -37,14 +36,10 @@ import numpy as np
 
 from gpu_planner import settings
 from gpu_planner.inputs import INT64_MAX
-
-logger = logging.getLogger(__name__)
+from gpu_planner.integration.sglang.fallback import log_once
 
 # The prefill's registered buffers as `registration` gives them: (pointers, lengths).
 Registration = tuple[tuple[int, ...], tuple[int, ...]]
-
-_refused_peers: set[str] = set()
-_refused_lock = threading.Lock()
 
 
 class OutOfRange(ValueError):
@@ -57,16 +52,12 @@ def refuse(peer: str, error: OutOfRange) -> int:
     The caller (sglang's transfer worker) concludes the request as failed and
     marks the session failed, as for any failed send.
     """
-    with _refused_lock:
-        first = peer not in _refused_peers
-        _refused_peers.add(peer)
-    if first:
-        logger.error(
-            "gpu_planner: refused a send to peer %s before any byte moved (logged once per "
-            "peer): %s",
-            peer,
-            error,
-        )
+    log_once(
+        logging.ERROR,
+        f"gpu_planner: refused a send to peer {peer} before any byte moved (logged once per "
+        f"peer): {error}",
+        f"refused peer {peer}",
+    )
     return -1
 
 

@@ -40,7 +40,7 @@ from test_send_slice import (
 )
 
 from gpu_planner.inputs import INT64_MAX
-from gpu_planner.integration.sglang import bounds
+from gpu_planner.integration.sglang import bounds, fallback
 from tests.integration.mooncake.mooncake_peer import two_sides
 
 EXECUTOR = concurrent.futures.ThreadPoolExecutor(max_workers=4)
@@ -49,7 +49,7 @@ EXECUTOR = concurrent.futures.ThreadPoolExecutor(max_workers=4)
 @pytest.fixture(autouse=True)
 def fresh_refusal_log(monkeypatch):
     """Each test starts with no peer refused yet (the log is once per peer per process)."""
-    monkeypatch.setattr(bounds, "_refused_peers", set())
+    monkeypatch.setattr(fallback, "_logged_keys", set())
 
 
 def registered_lens(draw, needed: list[int]) -> list[int]:
@@ -170,7 +170,7 @@ def hostile_kv_slice(item_len: int = 4 * 2**20) -> dict:
 
 
 def refusals(caplog) -> list[str]:
-    return [r.getMessage() for r in caplog.records if r.name == bounds.logger.name]
+    return [r.getMessage() for r in caplog.records if r.name == fallback.logger.name]
 
 
 def test_a_decode_registering_4_mib_pages_reads_nothing_past_the_prefill_buffer(caplog):
@@ -180,7 +180,7 @@ def test_a_decode_registering_4_mib_pages_reads_nothing_past_the_prefill_buffer(
     _, srcs, _, lens = expected["calls"][0]
     assert expected["status"] == 0  # sglang's own send: status 0 ...
     assert max(srcs) + lens[0] - SRC_BASE > 2 * 2**20  # ... reading ~2 MiB past its end
-    with caplog.at_level(logging.ERROR, logger=bounds.logger.name):
+    with caplog.at_level(logging.ERROR, logger=fallback.logger.name):
         actual = run(
             conn.MooncakeKVManager.send_kvcache_slice, scenario, ArraysEngine(), ONE_THREAD
         )
@@ -203,7 +203,7 @@ def test_a_hostile_or_oversized_kv_slice_send_is_refused(caplog, item_len, reaso
     scenario = hostile_kv_slice(item_len)
     if item_len == 64:  # a well-formed peer (32 bytes per head slot) and a page past the buffer
         scenario["call"]["prefill_kv_indices"] = np.array([60, 3], dtype=np.int32)
-    with caplog.at_level(logging.ERROR, logger=bounds.logger.name):
+    with caplog.at_level(logging.ERROR, logger=fallback.logger.name):
         actual = run(
             conn.MooncakeKVManager.send_kvcache_slice, scenario, ArraysEngine(), ONE_THREAD
         )
@@ -286,7 +286,7 @@ def test_an_swa_state_send_past_the_registered_state_buffer_is_refused(caplog):
     sent = run(conn.MooncakeKVManager._send_swa_state_slice, scenario, ArraysEngine(), ONE_THREAD)
     assert sent["status"] == 0 and len(sent["calls"]) == 2  # pages 3 and 7 of 8: in range
     scenario["call"]["prefill_swa_page_indices"] = [3, 8]
-    with caplog.at_level(logging.ERROR, logger=bounds.logger.name):
+    with caplog.at_level(logging.ERROR, logger=fallback.logger.name):
         actual = run(
             conn.MooncakeKVManager._send_swa_state_slice, scenario, ArraysEngine(), ONE_THREAD
         )
@@ -297,7 +297,7 @@ def test_an_swa_state_send_past_the_registered_state_buffer_is_refused(caplog):
 
 def test_a_refused_peer_is_logged_once(caplog):
     """Every refused send returns -1; the log names each refused peer once."""
-    with caplog.at_level(logging.ERROR, logger=bounds.logger.name):
+    with caplog.at_level(logging.ERROR, logger=fallback.logger.name):
         for session in (SESSION, SESSION, "127.0.0.1:23456"):
             scenario = hostile_kv_slice()
             scenario["call"]["mooncake_session_id"] = session
@@ -325,7 +325,7 @@ def test_a_generic_send_is_bounded_by_the_registration_it_meets(caplog):
     manager = make_manager(engine := RecordingEngine(), **scenario.manager)
     send = hooked_send()
     outcomes = []
-    with caplog.at_level(logging.ERROR, logger=bounds.logger.name):
+    with caplog.at_level(logging.ERROR, logger=fallback.logger.name):
         for pages in (12, 11, 12):
             manager.kv_args.kv_data_lens = [pages * 576] * 2
             engine.calls.clear()

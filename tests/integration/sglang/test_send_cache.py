@@ -17,7 +17,7 @@ import pytest
 from sglang_plugin_support import ORIGINALS, RecordingEngine, conn, hooked_send, make_manager
 from suite_support import set_knob
 
-from gpu_planner.integration.sglang import bounds, entries
+from gpu_planner.integration.sglang import entries, fallback
 
 SESSION = "127.0.0.1:23456"
 SRC_BASE, DST_BASE, SPAN = 1 << 40, 1 << 44, 1 << 30
@@ -114,7 +114,7 @@ def test_a_changed_manager_field_is_mapped_again(mapped, field, value):
 
 
 def test_a_shrunk_registration_is_refused_and_a_restored_one_sends(monkeypatch):
-    monkeypatch.setattr(bounds, "_refused_peers", set())
+    monkeypatch.setattr(fallback, "_logged_keys", set())
     sends = Sends()
     assert sends.send(hooked_send()) == sends.send(ORIGINALS["send"])
     lens = sends.manager.kv_args.kv_data_lens
