@@ -33,4 +33,4 @@ class LaunchConfig:
 PAGES = LaunchConfig(block=1024, num_warps=4)  # page conversion, run counts, run scatter
 SCAN = LaunchConfig(block=1024, num_warps=4)  # block-count scan: one program per space
 RUNS = LaunchConfig(block=1024, num_warps=4)  # descriptor expansion: runs per program
-GATHER = LaunchConfig(block=2048, num_warps=4)  # head-slice gather: lanes per program tile
+HEAD_SLICES = LaunchConfig(block=2048, num_warps=4)  # head-slice gather, scatter: lanes a tile
