@@ -16,6 +16,8 @@ DOCUMENTED_MODULES = [
     "gpu_planner.plan",
     "gpu_planner.runs",
     "gpu_planner.layout",
+    "gpu_planner.head_gather",
+    "gpu_planner.head_scatter",
 ]
 
 

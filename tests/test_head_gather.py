@@ -10,7 +10,6 @@ decode buffers, lands exactly what sglang's per-token descriptors land.
 from __future__ import annotations
 
 import bisect
-import doctest
 from dataclasses import dataclass
 
 import numpy as np
@@ -414,11 +413,6 @@ def test_staging_nbytes_sums_every_entrys_pages():
     layout = one_entry_layout(entries=3, dst_page_lens=[16, 32, 48])
     assert staging_nbytes(layout, 5) == 5 * (16 + 32 + 48)
     assert staging_nbytes(layout, 0) == 0
-
-
-def test_docstring_examples():
-    results = doctest.testmod(head_gather, extraglobs={"np": np})
-    assert results.attempted >= 3 and results.failed == 0
 
 
 def test_compile_kernels_runs_the_loop_on_no_pages():

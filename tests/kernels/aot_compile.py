@@ -16,7 +16,10 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
+import subprocess
 import sys
+from pathlib import Path
 
 import torch
 import triton
@@ -64,6 +67,19 @@ class Sm90Driver:
 
 
 compiled: list[tuple[str, str]] = []
+
+
+def script_report(script: Path, *args: str) -> dict:
+    """Run `script` with the interpreter off; the JSON of its last line of output.
+
+    The limit is generous: a compile shares the cores with whatever else runs.
+    """
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    result = subprocess.run(
+        [sys.executable, str(script), *args], env=env, capture_output=True, text=True, timeout=1800
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])
 
 
 def _counting_compile(original):

@@ -4,13 +4,10 @@ Runs `aot_compile.py` in a subprocess with the interpreter off (Triton's real
 CUDA pipeline against an sm_90 stand-in driver; no GPU needed).
 """
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from aot_compile import script_report
 
 pytest.importorskip("triton.backends.nvidia")
 
@@ -26,13 +23,7 @@ EXPECTED_VARIANTS = {
 
 @pytest.fixture(scope="module")
 def compile_report() -> dict:
-    env = {**os.environ, "TRITON_INTERPRET": "0"}
-    script = Path(__file__).with_name("aot_compile.py")
-    result = subprocess.run(
-        [sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=900
-    )
-    assert result.returncode == 0, result.stderr[-4000:]
-    return json.loads(result.stdout.strip().splitlines()[-1])
+    return script_report(Path(__file__).with_name("aot_compile.py"))
 
 
 def test_warmup_compiles_every_variant_for_sm90(compile_report):
