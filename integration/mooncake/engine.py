@@ -68,6 +68,16 @@ def transfer_timeout_s(environ: Mapping[str, str] = os.environ) -> int:
     return max(TRANSFER_TIMEOUT_MIN_S, sign * int(leading or 0))
 
 
+# Memory a Mooncake write that did not end cleanly read or wrote is not reused for this many
+# transfer timeouts: the binding frees the batch at its -1, so nothing confirms the write's end.
+STALLED_WRITE_TIMEOUTS = 4
+
+
+def stalled_write_s(environ: Mapping[str, str] = os.environ) -> float:
+    """How long memory a write that failed or timed out touched is held before its reuse."""
+    return float(STALLED_WRITE_TIMEOUTS * transfer_timeout_s(environ))
+
+
 def tcp_queue_capacity(environ: Mapping[str, str] = os.environ) -> int:
     """The per-peer TCP queue of an engine started with `environ`, parsed as Mooncake parses it."""
     text = environ.get(TCP_QUEUE_ENV, "")

@@ -117,7 +117,9 @@ def register() -> None:
 
         records = hook_records()
     except ImportError as error:
-        log_fallback_once(f"sglang's Mooncake connector does not import ({error})")
+        log_fallback_once(
+            f"sglang's Mooncake connector does not import ({error})", key="no mooncake connector"
+        )
         return
     from gpu_planner.integration.sglang import receive_staging
 
@@ -131,7 +133,7 @@ def register() -> None:
     compiles: dict[Callable[[], None], str] = {}  # each compile once, by its first target
     for record in records:
         if refusals[record.target] is not None:
-            log_fallback_once(refusals[record.target])
+            log_fallback_once(refusals[record.target], key=f"not registered: {record.target}")
             continue
         hook = record.hook if record.takes_original else around(record.hook)
         HookRegistry.register(record.target, hook, HookType.AROUND)

@@ -28,11 +28,15 @@ that Success into Failed with a `gpu_planner:` reason, as a failed
 transfer fails.
 
 A lending belongs to one request, not to a room id: its reservation id is
-random, and it ends on every path by which sglang ends the request: Success
-frees the part at once; Failed (a failed transfer, an abort, the waiting
-timeout), a cleared room and a room sglang opens again for a new request
-quarantine it for `QUARANTINE_S` (a prefill rank may still be writing),
-after which it is freed. A note for an ended lending scatters nothing.
+random, and it ends on every path by which sglang ends the request. Success
+frees the part at once. Failed (a failed transfer, an abort, the waiting
+timeout), a cleared room and a room sglang opens again for a new request hold
+it until no write of the request can still land (`_quiet`): every prefill
+rank sglang waits for reported its status (its sends returned), all Success,
+or a Failed one and then `failed_hold_s()` (Mooncake may still send a write it
+reported failed); a rank that never reports (a dead prefill) frees it only
+after `NO_STATUS_HOLDS` such holds. A note for an ended lending scatters
+nothing.
 Nothing here waits without a bound, and no exception leaves a hook:
 sglang's own result is returned.
 """
@@ -54,6 +58,7 @@ from gpu_planner.cuda_streams import on_torch_device
 from gpu_planner.head_scatter import scatter_head_slices, scatter_layout
 from gpu_planner.head_slices import HeadSliceLayout
 from gpu_planner.inputs import HOST
+from gpu_planner.integration.mooncake.engine import stalled_write_s
 from gpu_planner.integration.sglang.counters import record_receive_fallback, record_scatter
 from gpu_planner.integration.sglang.fallback import best_effort, log_fallback_once
 from gpu_planner.integration.sglang.registered_region import PerManager, RegisteredRegion
@@ -71,7 +76,7 @@ from gpu_planner.integration.sglang.staging_wire import (
 
 ALIGNMENT = 256  # bytes: every reservation starts as aligned as the region
 MAX_RESERVATIONS = 256  # lendings (lent and quarantined) at once: bounds the bookkeeping
-QUARANTINE_S = 120.0  # an ended lending's part waits this long: past sglang's transfer timeouts
+NO_STATUS_HOLDS = 10  # an ended lending no prefill status concluded waits this many holds
 HOST_BACKED_RATIO = 4  # sglang: HiSparse MLA layers of compression ratio 4 are host-backed
 
 
@@ -89,7 +94,10 @@ class Lending:
     writers: int | None = None
     pending: list[Any] = field(default_factory=list)  # device events of launched scatters
     refused: str | None = None  # why this request's staged KV must not count as arrived
-    ended_at: float | None = None  # when the request ended (quarantine), None while it lives
+    ended_at: float | None = None  # when the request ended (held), None while it lives
+    expected_ranks: int = 1  # prefill ranks whose statuses conclude the request (sglang's)
+    reported: dict[int, int] = field(default_factory=dict)  # prefill rank: its status
+    reported_at: float = 0.0  # when the last prefill status came
 
     def same_request(self, host_pages: np.ndarray, device_pages: np.ndarray | None) -> bool:
         """Whether metadata with these pages is this lending's request asking again."""
@@ -230,14 +238,15 @@ class ReceiveRegion(RegisteredRegion):
         self._parts.give_back(lending.reservation.offset, lending.reservation.nbytes)
 
     def _end(self, lending: Lending) -> None:
-        """The request ended: quarantine its part; the caller holds the lock."""
+        """The request ended: hold its part (`_quiet`); the caller holds the lock."""
         if self._lent.get(lending.room) is lending:
             del self._lent[lending.room]
         if lending.ended_at is None:
             lending.ended_at = time.monotonic()
 
     def _sweep(self, request_status: dict) -> None:
-        """End lendings of rooms sglang no longer tracks or failed; free quarantines run out."""
+        """End lendings of rooms sglang no longer tracks or failed; free the ended ones no
+        write can still land in."""
         now = time.monotonic()
         for lending in list(self._lendings.values()):
             if lending.ended_at is None and request_status.get(lending.room) in (
@@ -245,9 +254,21 @@ class ReceiveRegion(RegisteredRegion):
                 KV_POLL_FAILED,
             ):
                 self._end(lending)
-            expired = lending.ended_at is not None and lending.ended_at + QUARANTINE_S <= now
-            if expired and all(event.query() for event in lending.pending):
+            quiet = lending.ended_at is not None and _quiet(lending, now)
+            if quiet and all(event.query() for event in lending.pending):
                 self._give_back(lending)
+
+    def on_prefill_status(self, room: int, prefill_rank: int, status: int, expected: int) -> None:
+        """A prefill rank reported `status` for `room` (as it sent it, before any refusal here):
+        its writes into the room's lendings ended, cleanly where it is Success. `expected`:
+        how many ranks sglang waits for."""
+        now = time.monotonic()
+        with self._lock:
+            for lending in self._lendings.values():
+                if lending.room == room:
+                    lending.expected_ranks = max(int(expected), 1)
+                    lending.reported[int(prefill_rank)] = int(status)
+                    lending.reported_at = now
 
     def end(self, room: int) -> None:
         """sglang ended `room`'s request (failed, aborted, timed out, cleared, or opened anew)."""
@@ -440,6 +461,28 @@ class ReceiveRegion(RegisteredRegion):
                 self._end(lending)
 
 
+def failed_hold_s() -> float:
+    """How long an ended lending is held after the last status of its prefill ranks when one
+    of them failed: as long as the prefill holds what a failed write read (`send_slots`)."""
+    return stalled_write_s()
+
+
+def _quiet(lending: Lending, now: float) -> bool:
+    """Whether no write of an ended lending's request can still land in its part.
+
+    Every prefill rank sglang waits for reported: all Success (their writes ended cleanly),
+    or else `failed_hold_s()` after the last report (a failed write may still be queued in
+    Mooncake). A rank that never reports (a prefill that died) frees it only after
+    `NO_STATUS_HOLDS` holds from the end: the one case a clock alone decides.
+    """
+    if len(lending.reported) >= lending.expected_ranks:
+        if all(status == KV_POLL_SUCCESS for status in lending.reported.values()):
+            return True
+        return now >= lending.reported_at + failed_hold_s()
+    assert lending.ended_at is not None
+    return now >= lending.ended_at + NO_STATUS_HOLDS * failed_hold_s()
+
+
 def device_backed_buffers(kv_args: Any) -> np.ndarray | None:
     """Which decode KV buffers take HiSparse's device pages, by sglang's own rule; None if
     `kv_args` does not say (`MooncakeKVManager.send_kvcache`: MLA layers of compression
@@ -586,6 +629,9 @@ def prefill_status_hook(original: Any, manager: Any, *args: Any, **kwargs: Any) 
     region = REGIONS.existing(manager) if not args else None
     room = kwargs.get("bootstrap_room")
     if region is not None and room is not None:
+        with best_effort(BOOKKEEPING_FAILED, "staged books"):
+            expected = manager.required_prefill_response_num_table.get(room, 1)
+            region.on_prefill_status(room, kwargs["prefill_rank"], kwargs["status"], expected)
         try:
             refusal = region.refusal(room, kwargs.get("status"), kwargs.get("prefill_rank"))
         except Exception as error:  # a scatter that cannot be waited for did not land

@@ -17,8 +17,8 @@ A slot is lent again only when no engine call is known to read it:
 - a write that ended with status 0 (or a call cancelled before it started)
   gives its slot back at once;
 - a write that failed, timed out or raised leaves its slot **held**
-  (`SendSlots.held_slots`, counted) for `HOLD_TIMEOUTS` times Mooncake's
-  transfer timeout (`MC_TRANSFER_TIMEOUT`, 30 s unset: 120 s). Mooncake
+  (`SendSlots.held_slots`, counted) for four of Mooncake's transfer timeouts
+  (`stalled_write_s`: `MC_TRANSFER_TIMEOUT`, 30 s unset, so 120 s). Mooncake
   0.3.14 frees a batch when `get_batch_transfer_status` gives up on it (-1 at
   that timeout), so no call can confirm the end of such a write, yet its TCP
   transport keeps the write queued while the connection lives and reads the
@@ -49,7 +49,7 @@ from gpu_planner.cuda_runtime import cuda_runtime
 from gpu_planner.cuda_streams import on_torch_device
 from gpu_planner.head_gather import chunk_layout, gather_head_slices
 from gpu_planner.head_slices import HeadSliceLayout
-from gpu_planner.integration.mooncake.engine import transfer_timeout_s
+from gpu_planner.integration.mooncake.engine import stalled_write_s
 from gpu_planner.integration.sglang.adapter import AsyncWrites
 from gpu_planner.integration.sglang.counters import record_held_slot
 from gpu_planner.integration.sglang.registered_region import PerManager, RegisteredRegion
@@ -57,12 +57,6 @@ from gpu_planner.integration.sglang.registered_region import PerManager, Registe
 SLOTS = 4  # a region's slots: two sends at once each keep one chunk on the wire while gathering
 SLOTS_PER_SEND = 2  # one chunk on the wire while the next is gathered
 SLOT_ALIGNMENT = 256  # bytes: every slot starts as aligned as the region (the kernel's widest lane)
-HOLD_TIMEOUTS = 4  # a slot a failed write read is held this many Mooncake transfer timeouts
-
-
-def hold_s() -> float:
-    """How long a slot a write that did not end cleanly read is held (seconds)."""
-    return HOLD_TIMEOUTS * transfer_timeout_s()
 
 
 class SendSlots(RegisteredRegion):
@@ -91,12 +85,12 @@ class SendSlots(RegisteredRegion):
 
     def give_back(self, index: int, clean: bool = True) -> None:
         """Slot `index`'s last engine call ended: free again when it ended `clean` (status 0,
-        or cancelled unstarted), else held for `hold_s()` (the engine may still read it)."""
+        or cancelled unstarted), else held for `stalled_write_s()` (the engine may read it)."""
         with self._lock:
             if clean:
                 self._free.append(index)
             else:
-                self._held[index] = time.monotonic() + hold_s()
+                self._held[index] = time.monotonic() + stalled_write_s()
         if not clean:
             record_held_slot()
 

@@ -535,7 +535,7 @@ def test_no_room_succeeds_without_its_bytes_and_every_part_comes_back(staging_by
         for kind, room, count in steps:
             request = live.get(room)
             if kind in ("tick", "wait out"):
-                clock.value += 1.0 if kind == "tick" else receive_staging.QUARANTINE_S
+                clock.value += 1.0 if kind == "tick" else longest_hold()
             elif kind == "open" and request is None and len(free_pages) >= count:
                 pages = np.array(
                     [free_pages.pop(rng.integers(len(free_pages))) for _ in range(count)]
@@ -619,7 +619,7 @@ def test_no_room_succeeds_without_its_bytes_and_every_part_comes_back(staging_by
             assert len(held) == len(set(held))
         for request in list(live.values()):
             request.receiver.clear()
-        clock.value += receive_staging.QUARANTINE_S
+        clock.value += longest_hold()
         region.reserve(manager.request_status, 10**6, np.zeros(0, np.int64), None)  # a sweep
         assert region.lent_rooms == 0 and region.free_bytes == region.region.numel()
     finally:
@@ -661,38 +661,78 @@ def test_success_of_one_of_two_ranks_keeps_the_part(decodes):
     assert decode.region.lent_rooms == 0
 
 
-@pytest.mark.parametrize("end", ["failed", "cleared"])
-def test_a_failed_or_cleared_room_is_quarantined_then_freed(decodes, clock, staging_bytes, end):
+def longest_hold() -> float:
+    """How long an ended lending waits at most: no prefill status ever concluded it."""
+    return receive_staging.NO_STATUS_HOLDS * receive_staging.failed_hold_s()
+
+
+def test_a_failed_room_is_held_until_the_hold_after_its_prefill_status(
+    decodes, clock, staging_bytes
+):
     staging_bytes(8 * ALIGNMENT)
     decode = decodes()
     decode.advertise()
     pages = np.arange(8 * ALIGNMENT // PAGE_BYTES)  # 10 pages: 1920 bytes, the whole region
     reservation = decode.reserve(7, pages)
     assert decode.region.free_bytes == 0
-    if end == "failed":
-        assert decode.status(7, KV_POLL_FAILED)[0]["status"] == KV_POLL_FAILED
-    else:
-        del decode.manager.request_status[7]
-    clock.value += receive_staging.QUARANTINE_S - 1
-    assert decode.reserve(8, pages) is None  # not reusable while a prefill may still write
+    assert decode.status(7, KV_POLL_FAILED)[0]["status"] == KV_POLL_FAILED
+    clock.value += receive_staging.failed_hold_s() - 1
+    assert decode.reserve(8, pages) is None  # not reusable while a failed write may land
     assert decode.reserve(7, pages) is None  # nor by the room itself
     assert decode.region.lent_rooms == 1
-    clock.value += 1 if end == "failed" else receive_staging.QUARANTINE_S
+    clock.value += 1
     again = decode.reserve(9, pages)  # the sweep of this reserve freed it
     assert again is not None and again.offset == reservation.offset
     assert again.reservation_id != reservation.reservation_id
     assert decode.region.lent_rooms == 1
 
 
-def test_a_cleared_room_is_quarantined_from_the_sweep_that_saw_it_gone(decodes, clock):
+def test_an_ended_room_waits_for_its_prefill_status_not_for_a_clock(decodes, clock):
+    """The decode gives up on a room (abort, waiting timeout, clear) while its prefill may
+    still be writing: the part is held past any hold until the prefill's status says its
+    writes ended; after a Failed status, for the hold after it."""
+    decode = decodes()
+    decode.advertise()
+    decode.reserve(7, distinct_pages(0, 4))
+    del decode.manager.request_status[7]  # cleared: no status reached the decode
+    decode.reserve(8, distinct_pages(0, 4))  # the sweep that sees it gone ends it
+    clock.value += 5 * receive_staging.failed_hold_s()
+    decode.reserve(9, distinct_pages(0, 4))
+    assert decode.region.lent_rooms == 3  # 7 held: its prefill has not reported
+    decode.status(7, KV_POLL_FAILED)  # the prefill's send ended, failed
+    clock.value += receive_staging.failed_hold_s() - 1
+    decode.reserve(10, distinct_pages(0, 4))
+    assert decode.region.lent_rooms == 4
+    clock.value += 1
+    decode.reserve(11, distinct_pages(0, 4))
+    assert decode.region.lent_rooms == 4  # 7 freed, 11 lent
+
+
+def test_an_ended_room_whose_ranks_all_succeeded_is_freed_at_once(decodes, clock):
+    """Two prefill ranks; the decode aborted the room first. One rank's Success holds it (the
+    other may still write); both: every write ended cleanly, freed without a hold."""
+    decode = decodes()
+    decode.advertise()
+    decode.manager.required_prefill_response_num_table[7] = 2
+    decode.reserve(7, distinct_pages(0, 4))
+    decode.manager.request_status[7] = KV_POLL_FAILED  # sglang's abort
+    decode.status(7, KV_POLL_SUCCESS, prefill_rank=0, applied=KV_POLL_FAILED)  # Failed sticks
+    decode.reserve(8, distinct_pages(0, 4))
+    assert decode.region.lent_rooms == 2
+    decode.status(7, KV_POLL_SUCCESS, prefill_rank=1, applied=KV_POLL_FAILED)
+    decode.reserve(9, distinct_pages(0, 4))
+    assert decode.region.lent_rooms == 2  # 7 freed, 8 and 9 lent
+
+
+def test_a_room_no_prefill_ever_concludes_is_freed_after_the_longest_hold(decodes, clock):
     decode = decodes()
     decode.advertise()
     decode.reserve(7, distinct_pages(0, 4))
     del decode.manager.request_status[7]
-    clock.value += 10 * receive_staging.QUARANTINE_S  # long after: the sweep starts the wait
+    clock.value += 10 * longest_hold()  # long after: the sweep that sees it gone starts it
     decode.reserve(8, distinct_pages(0, 4))
     assert decode.region.lent_rooms == 2
-    clock.value += receive_staging.QUARANTINE_S
+    clock.value += longest_hold()
     decode.reserve(9, distinct_pages(0, 4))
     assert decode.region.lent_rooms == 2  # 7 freed, 9 lent
 

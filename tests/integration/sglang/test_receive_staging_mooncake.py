@@ -915,8 +915,9 @@ def test_two_thousand_sends_some_to_a_dead_region_leak_no_slot_part_or_memory(
     prefill's slots, the decode's parts and this process's memory stay flat."""
     import tracemalloc
 
-    monkeypatch.setattr(receive_staging, "QUARANTINE_S", 0.0)
-    monkeypatch.setattr(send_slots, "HOLD_TIMEOUTS", 0)  # a failed send's slot is back at once
+    # No hold after a failed write: each dead send's slot and part are back at once.
+    monkeypatch.setattr(receive_staging, "stalled_write_s", lambda: 0.0)
+    monkeypatch.setattr(send_slots, "stalled_write_s", lambda: 0.0)
     deployment = deployments([256] * 8, 0, seed=12)
     prefill_routes.ROUTES.advertised(
         DEAD_SESSION, prefill_routes.ROUTES.capability(deployment.session)
