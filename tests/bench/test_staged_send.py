@@ -36,7 +36,13 @@ def test_the_staged_generic_send_lands_the_same_bytes_in_fewer_descriptors():
     assert result["chosen_path"] == "direct"
     assert figures["chosen"]["sends"] == {"generic/arrays": 1}
     assert figures["chosen"]["paths"]["direct"] >= figures["chosen"]["repeats"]
-    assert result["chosen_with_scatter_s"] == pytest.approx(figures["chosen"]["median"])
+    # The chosen figure adds the scatter to the sends that staged, none where every timed send
+    # went direct; a probe may stage one (when is timing), so each sample gains 0 or one scatter
+    # and the median moves by 0 to one scatter (1e-9: the two medians round differently).
+    chosen_s, with_scatter_s = figures["chosen"]["median"], result["chosen_with_scatter_s"]
+    if figures["chosen"]["paths"]["staged"] == 0:
+        assert with_scatter_s == pytest.approx(chosen_s)
+    assert chosen_s * (1 - 1e-9) <= with_scatter_s <= (chosen_s + result["scatter_s"]) * (1 + 1e-9)
     assert result["model"]["direct_s"] < result["model"]["staged_s"]
 
 
