@@ -274,8 +274,8 @@ RECEIVE_STAGING_BYTES = Setting(
 STAGING_MIN_DESCRIPTORS = Setting(
     "GPU_PLANNER_STAGING_MIN_DESCRIPTORS",
     64,
-    _count(1),
-    "an integer >= 1",
+    _count(1, 2**62),
+    "an integer from 1 to 2**62",
     "set explicitly: overrides the cost model (gate): a prefill writes a send through the "
     "decode's receive staging only when it would otherwise take at least this many descriptors "
     "(fewer: sent as planned, counted); either knob set, the gate of both decides; neither "
@@ -284,83 +284,97 @@ STAGING_MIN_DESCRIPTORS = Setting(
 STAGING_MAX_MEAN_BYTES = Setting(
     "GPU_PLANNER_STAGING_MAX_MEAN_BYTES",
     64 << 10,
-    _count(1),
-    "an integer >= 1",
+    _count(1, 2**62),
+    "an integer from 1 to 2**62",
     "set explicitly: overrides the cost model (gate): a prefill writes a send through the "
     "decode's receive staging only when its descriptors would average at most this many bytes "
     "(larger ones gain less than the gather and scatter cost: sent as planned, counted); "
     "either knob set, the gate of both decides; neither set, the send-path cost model chooses",
 )
+
+
+def _within(low: float, high: float, *, low_inclusive: bool = True) -> Callable[[str], float]:
+    """A finite number from `low` (or above it) to `high`: a cost model seed, within what the
+    model's arithmetic carries (its clamps: integration/sglang/path_fit.py). The parser's
+    `bounds` attribute is (low, high)."""
+
+    def parse(text: str) -> float:
+        value = float(text)
+        if not (low < value <= high or (low_inclusive and value == low)):
+            raise ValueError(text)
+        return value
+
+    parse.bounds = (low, high)  # type: ignore[attr-defined]
+    return parse
+
+
+_EVIDENCE = "docs/benchmarks.md, \"The cost model's evidence\", for the default's measurement"
 COST_DIRECT_FIXED_US = Setting(
     "GPU_PLANNER_COST_DIRECT_FIXED_US",
     100.0,
-    _number(0),
-    "microseconds >= 0",
-    "the send-path cost model's seed for a direct send's fixed cost (every peer starts from it "
-    "and learns its own from its completed sends; measured (bench.staged_sweep, loopback TCP): "
-    "about 0.1-0.15 ms, 32-descriptor sends less their requests and bytes)",
+    _within(0, 1e6),
+    "microseconds from 0 to 1,000,000",
+    "the send-path cost model's seed for a direct send's fixed cost: every decode starts from "
+    f"it and learns its own from its completed sends ({_EVIDENCE})",
 )
 COST_STAGED_FIXED_US = Setting(
     "GPU_PLANNER_COST_STAGED_FIXED_US",
     1400.0,
-    _number(0),
-    "microseconds >= 0",
-    "the cost model's seed for a staged send's fixed cost on the prefill (learned per peer; "
-    "measured (bench.staged_sweep, loopback TCP): 1.5 ms for a staged send of 32 KiB, "
-    "0.6-1.7 ms fitted at 128-512 descriptors)",
+    _within(0, 1e6),
+    "microseconds from 0 to 1,000,000",
+    "the cost model's seed for a staged send's fixed cost on the prefill, up to the decode's "
+    f"note (learned per decode; {_EVIDENCE})",
 )
 COST_REQUEST_US = Setting(
     "GPU_PLANNER_COST_REQUEST_US",
     40.0,
-    _number(0, inclusive=False),
-    "microseconds > 0",
-    "the cost model's seed for one Mooncake request (descriptor or staged piece) to a peer "
-    "(learned per peer; measured (bench.staged_sweep, loopback TCP): 40-60 us at 32-8,192 "
-    "descriptors, 14-23 us on a quieter day; RDMA: a few us)",
+    _within(0.01, 1e4),
+    "microseconds from 0.01 to 10,000",
+    "the cost model's seed for one Mooncake request to a peer: a direct send's descriptor and a "
+    f"staged send's piece (each learned per decode; RDMA: a few us; {_EVIDENCE})",
 )
 COST_LINK_GB_S = Setting(
     "GPU_PLANNER_COST_LINK_GB_S",
     1.6,
-    _number(0, inclusive=False),
-    "GB/s (10^9 bytes per second) > 0",
+    _within(1e-3, 1e4),
+    "GB/s (10^9 bytes per second) from 0.001 to 10,000",
     "the cost model's seed for the link's bandwidth to a peer: a direct send's bytes, and with "
-    "the gather in series a staged send's (each learned per peer from its own path's sends; "
-    "measured: 1.6-1.8 GB/s over loopback TCP; RDMA: 25-50 GB/s)",
+    "the gather in series a staged send's (each learned per decode from its own path's sends; "
+    f"RDMA: 25-50 GB/s; {_EVIDENCE})",
 )
 COST_GATHER_GB_S = Setting(
     "GPU_PLANNER_COST_GATHER_GB_S",
     4.0,
-    _number(0, inclusive=False),
-    "GB/s > 0",
+    _within(1e-3, 1e4),
+    "GB/s from 0.001 to 10,000",
     "the cost model's seed for the staged send's gather on the prefill's KV device (in series "
-    "with the link: the staged bytes' seed, learned per peer; measured on the 2-core CPU: "
-    "about 4 GB/s; a GPU gathers at hundreds of GB/s)",
+    f"with the link: the staged bytes' seed, learned per decode; {_EVIDENCE})",
 )
 COST_SCATTER_GB_S = Setting(
     "GPU_PLANNER_COST_SCATTER_GB_S",
     8.0,
-    _number(0, inclusive=False),
-    "GB/s > 0",
+    _within(1e-3, 1e4),
+    "GB/s from 0.001 to 10,000",
     "the cost model's figure for the decode's scatter of a staged send (the prefill never sees "
-    "it: not learned; measured on the 2-core CPU since its copies are joined: 7-8.3 GB/s at "
-    "8-512 MiB in bench.staged_sweep, 2026-12-05)",
+    f"it: not learned; worth setting to what the decode measures; {_EVIDENCE})",
 )
 COST_SCATTER_FIXED_US = Setting(
     "GPU_PLANNER_COST_SCATTER_FIXED_US",
     250.0,
-    _number(0),
-    "microseconds >= 0",
-    "the cost model's figure for the decode scatter's fixed cost (not learned; measured on the "
-    "2-core CPU: 0.22-0.27 ms for 32-512 KiB in bench.staged_sweep, 2026-12-05)",
+    _within(0, 1e6),
+    "microseconds from 0 to 1,000,000",
+    f"the cost model's figure for the decode scatter's fixed cost (not learned; {_EVIDENCE})",
 )
 COST_PROBE_INTERVAL = Setting(
     "GPU_PLANNER_COST_PROBE_INTERVAL",
     64,
-    _count(0),
-    "an integer >= 0",
-    "at most one send in this many to a peer takes the path the cost model prices slower, and "
-    "only when it is priced at most 25% slower per whole interval that path went untaken (at "
-    "most 100%, after four), so that both paths' figures stay current; 0 never does",
+    _count(0, 1 << 20),
+    "an integer from 0 to 2**20",
+    "a regular probe of a peer takes the path the cost model prices slower where it is priced "
+    "at most 25% slower per whole interval of this many choices that path went untaken: a path "
+    "priced r times the other is probed once per about 4 (r - 1) intervals, so by the model "
+    "probes cost at most 1 / (4 x this) of the send time (0.4% at 64; below the table); 0 "
+    "never probes",
 )
 BATCH_TIMEOUT_S = Setting(
     "GPU_PLANNER_BATCH_TIMEOUT_S",

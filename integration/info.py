@@ -164,8 +164,8 @@ def send_path() -> Section:
     interval = costs.probe_interval
     probe = (
         f"at most 1 send in {interval} per peer on the path priced slower, when priced at most "
-        f"{path_cost.PROBE_MAX_LOSS:.0%} slower per {interval} choices it went untaken (at most "
-        f"{path_cost.PROBE_MAX_LOSS * path_cost.STALE_STEPS:.0%})"
+        f"{path_cost.PROBE_MAX_LOSS:.0%} slower per {interval} choices it went untaken (by the "
+        f"model, at most {path_cost.PROBE_MAX_LOSS / interval:.2%} of the send time)"
         if interval
         else f"off ({settings.COST_PROBE_INTERVAL.name}=0)"
     )
