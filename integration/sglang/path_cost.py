@@ -2,16 +2,16 @@
 
 A send toward a decode that offers receive staging can go two ways: **direct**
 (its planned descriptors, one Mooncake request each) or **staged** (gathered
-into the prefill's send staging, written as a few slot-sized pieces, scattered
+into the prefill's send slots, written as a few slot-sized pieces, scattered
 by the decode). `PathCosts` prices both for the send's shape, per peer, and
 picks one; `path_costs()` is the process's one instance.
 
 - The prices: `path_fit` (the model's formulas, the per-peer fit of its
   figures from completed sends, its bounds and how it follows a lasting change).
 - The choice: `path_policy` (the cheaper path, or a bounded probe of the other).
-- Here: the peers kept (at most `MAX_PEERS`, least recently used dropped, each a
-  fixed few hundred bytes: docs/settings.md), one lock over them, and the
-  override gate.
+- Here: the peers kept (at most `MAX_PEERS`, least recently used dropped, each
+  a fixed 464 bytes of numbers, about 2 KiB with Python's objects), one lock over
+  them (every call takes it: one pricing path), and the override gate.
 
 A send's life in the model: `choose` prices it and proposes a path (pure: it
 moves no clock); `taken` says which path the send went (a staged choice can

@@ -16,24 +16,24 @@ s = max(a, SCALE_FLOOR) and x = f / s, the fit minimises
 over the path's learned sends i: z_i = s * (1, requests_i, nbytes_i), y_i its
 seconds, and
 
-    w_i = DECAY^(the path's learned sends since i) * r_i / (NOISE^2 P_i^2)
+    w_i = DECAY^(the path's learned sends since i) * r_i / (NOISE^2 p_i^2)
 
-where P_i = sum(z_i) is the send's price at the anchor's scale (so the fit is on
-relative error, with weights that do not depend on the fitted figures: a send
-of a path that got slower weighs what it weighed before) and r_i its outlier
-factor: 1 / q^2 for a send q > 1 times over its path's recent typical error,
-q = ratio_i / median(ratios), 1 otherwise. A ratio is a send's time over its
-path's price when it was observed; the path keeps its last `SHIFT_WINDOW`
-ratios (ones at first). A lone stall is q times over that median and weighs
-1/q^2: its pull on a figure falls as 1/q. A lasting change moves the median
-itself, so the sends that show it weigh fully.
+where p_i is the path's price for the send when it was observed (the fit is on
+relative error) and r_i its outlier factor. A send's ratio is y_i / p_i; the path
+keeps its last `SHIFT_WINDOW` ratios (ones at first), and q is the send's ratio over
+their median: r_i = 1 up to q = `OUTLIER`, (OUTLIER / q)^4 beyond. So a send is
+judged against its path's recent typical error, not against its price: a lone stall
+(q = 100) weighs nothing, while a lasting change moves the median itself and the
+sends that show it weigh fully. (Weighed against the price, 1/q^2, a lasting large
+slowdown was never learned: docs/benchmarks.md, "The cost model's evidence".)
 
 A lasting change of more than `SHIFT_FACTOR` (the median of the path's last
 ratios outside [1/SHIFT_FACTOR, SHIFT_FACTOR]: most of its recent sends that
 far off) re-anchors the path: its anchor becomes its figures times that median
 (clamped), and its sums and ratios start again. The fit then follows from the
-new level at once, whatever the factor; a smaller change is learned by the sums
-within about `HALF_LIFE` sends.
+new level at once, whatever the factor (the send that re-anchored it weighs as
+priced at that level); a smaller change is learned by the sums within about
+`HALF_LIFE` sends.
 
 Bounds: every solved or anchored figure is clamped to `LOWER`..`UPPER` (a
 seed outside them widens them); a send's time above `MAX_SECONDS`, not finite
@@ -160,7 +160,7 @@ class Figures:
     def stages_from(self, mean_bytes: int, slot_bytes: int, limit: int = 1 << 20) -> int | None:
         """The fewest descriptors of `mean_bytes` from which staging is priced faster (None: never).
 
-        `slot_bytes` is a staged piece's most (the send staging's slot).
+        `slot_bytes` is a staged piece's most (a send slot's bytes).
         """
 
         def staged_wins(descriptors: int) -> bool:
