@@ -20,7 +20,7 @@ source buffers of random bytes, shuffled pages:
   staging, a second part of the peer's registered region, and lent the
   request a part, parsed by the plugin's hooked parsers: this rank's heads,
   one of two shares of each decode slot, gathered page by page of every
-  buffer into the send staging and written with one descriptor per
+  buffer into the send slots and written with one descriptor per
   slot-sized piece). `scatter` times, on this machine, what the decode then
   does (`bench.staged_send.DecodeScatter`: the note's chunks scattered into
   host buffers of the decode's sizes); `staged_with_scatter_s` is the sum of
@@ -150,10 +150,10 @@ class GatheredSliceBench:
 
     def _offer_receive_staging(self, direction: str, layers: int, num_tokens: int) -> None:
         """The decode (the live peer) advertises receive staging after its KV pool and lends
-        the request a part; the staged send goes from the manager with send staging."""
+        the request a part; the staged send goes from the manager with send slots."""
         buffers = len(self.sources)
         _, region = peer_layout(direction, layers, num_tokens)
-        manager = self.managers["gathered"]  # the send staging the staged path gathers into
+        manager = self.managers["gathered"]  # the send slots the staged path gathers into
         self.offer = offer_receive_staging(
             manager,
             self.session,

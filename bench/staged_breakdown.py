@@ -7,7 +7,7 @@ around each of its stages, by wrapping the functions it calls:
 - `before_gather`: from the hook's start to the first gather (planning the
   send, the choice, the route, the decode's buffers, bounds, the gather layout);
 - `gather_checks`: `gather_in_parts` checking a piece before its first part;
-- `gather_part`: one part gathered (pages of some buffers into the send staging);
+- `gather_part`: one part gathered (pages of some buffers into the send slots);
 - `submit`: one part's asynchronous write started (`AsyncWrites.submit`);
 - `wait`: waiting for one part's write to end (`AsyncWrites.wait`);
 - `note`: the `Staged` note (here kept in memory, as the bench does);

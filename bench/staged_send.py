@@ -7,7 +7,7 @@ one per layer, page size 16, 576 dims of bf16 per token (18,432 bytes per
 page), real source buffers of random bytes; `--pages` (256: 4k tokens) pages
 on each side in runs of two pages, shuffled, so about 128 runs per buffer
 (61 x 128 = 7,808 descriptors at the default). The plugin runs with its
-defaults (the gate's knobs unset for the run, 128 MiB of send staging: 32 MiB
+defaults (the gate's knobs unset for the run, 128 MiB of send slots: 32 MiB
 slots). Variants, interleaved:
 
 - `sglang`: sglang's own `_send_kvcache_generic` (unhooked), into the peer's
@@ -19,7 +19,7 @@ slots). Variants, interleaved:
   part (`staging_wire.Reservation`, parsed by the hooked
   `TransferInfo.from_zmq`), staged whatever it costs (`path_cost.deciding` a
   gate that stages every send): each slot-sized piece of pages of every
-  buffer is gathered into the prefill's send staging and written with one
+  buffer is gathered into the prefill's send slots and written with one
   descriptor;
 - `chosen`: the same hooked send toward the same decode with the plugin's
   defaults: the cost model (`path_cost`, its own instance, learning from this
@@ -125,17 +125,16 @@ def plugin_defaults() -> Iterator[None]:
 
 
 class CountedCosts(PathCosts):
-    """A cost model that keeps the path of each of its choices, in order (the `chosen`
+    """A cost model that keeps the path each send it priced took, in order (the `chosen`
     variant's)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.history: list[str] = []
 
-    def choose(self, peer: str, descriptors: int, nbytes: int, staged_pieces: int) -> Choice:
-        choice = super().choose(peer, descriptors, nbytes, staged_pieces)
-        self.history.append(choice.path)
-        return choice
+    def taken(self, peer: str, choice: Choice, path: str) -> None:
+        self.history.append(path)
+        super().taken(peer, choice, path)
 
 
 @contextlib.contextmanager

@@ -15,7 +15,7 @@ import torch
 
 from gpu_planner.inputs import Backend, IndexLike
 from gpu_planner.pages import PageIndices, page_indices
-from gpu_planner.staging import copy_to_host_async
+from gpu_planner.pinned_copies import copy_to_host_async
 
 
 def _as_numpy(pages: torch.Tensor | np.ndarray) -> np.ndarray:

@@ -25,9 +25,9 @@ from gpu_planner.inputs import (
     resolve_backend,
 )
 from gpu_planner.layout import BufferLayout
+from gpu_planner.pinned_copies import copy_to_host_async
 from gpu_planner.profiling import nvtx_range
 from gpu_planner.runs import launch_runs, read_device_counts
-from gpu_planner.staging import copy_to_host_async
 from gpu_planner.status import recorded_out_of_bounds
 
 if TYPE_CHECKING:  # the kernels import triton; load them only when they run

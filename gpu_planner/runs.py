@@ -19,7 +19,7 @@ from gpu_planner.inputs import (
     raise_recorded_negative_page,
     resolve_backend,
 )
-from gpu_planner.staging import copy_to_host
+from gpu_planner.pinned_copies import copy_to_host
 from gpu_planner.status import NUM_SLOTS
 
 if TYPE_CHECKING:  # the kernels import triton; load them only when they run

@@ -160,7 +160,7 @@ def send_path() -> Section:
             crossovers.append(f"never at {size}" if count is None else f"{count} of {size}")
         stages = "descriptors: " + ", ".join(crossovers)
     else:
-        stages = f"never: no send staging ({settings.GATHER_STAGING_BYTES.name}=0)"
+        stages = f"never: no send slots ({settings.GATHER_STAGING_BYTES.name}=0)"
     interval = costs.probe_interval
     probe = (
         f"at most 1 send in {interval} per peer on the path priced slower, when priced at most "

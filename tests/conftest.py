@@ -62,11 +62,11 @@ def host_cuda(monkeypatch):
     """
     from cuda_standin import HostCudaRuntime, scribble_free_blocks
 
-    from gpu_planner import staging
+    from gpu_planner import pinned_copies
     from gpu_planner.cuda_runtime import use_cuda_runtime
 
-    pool = staging.pinned_pool()
-    monkeypatch.setattr(staging, "_staging", pool)
+    pool = pinned_copies.pinned_pool()
+    monkeypatch.setattr(pinned_copies, "_pinned_pool", pool)
     with use_cuda_runtime(HostCudaRuntime(after_wait=scribble_free_blocks(pool))) as runtime:
         yield runtime
 

@@ -20,7 +20,7 @@ from cuda_standin import one_kernel_at_a_time
 from suite_support import list_batches
 
 import gpu_planner as gp
-from gpu_planner import reference, staging
+from gpu_planner import pinned_copies, reference
 from gpu_planner.block_pool import MIN_BLOCK_BYTES
 from gpu_planner.plan import LaunchedPlan
 from gpu_planner.testing import fragmented_pages
@@ -80,9 +80,9 @@ def _batches(plan: gp.TransferPlan) -> list:
 
 def test_host_copies_keep_their_block_lent_through_every_view(cuda_path):
     """A block comes back only when the last tensor, slice or `.numpy()` made from it is freed."""
-    pool = staging.pinned_pool(max_retained_bytes=MIN_BLOCK_BYTES)  # one free block
+    pool = pinned_copies.pinned_pool(max_retained_bytes=MIN_BLOCK_BYTES)  # one free block
     source = torch.arange(64, dtype=torch.int64, device=cuda_path)
-    (host,), copied = staging.copy_into_pool(pool, [source])
+    (host,), copied = pinned_copies.copy_into_pool(pool, [source])
     copied.synchronize()
     lent_block_address = host.data_ptr()
     expected = source.cpu().numpy()
@@ -95,7 +95,7 @@ def test_host_copies_keep_their_block_lent_through_every_view(cuda_path):
     del host
     while survivors:
         gc.collect()
-        (other,), other_copied = staging.copy_into_pool(
+        (other,), other_copied = pinned_copies.copy_into_pool(
             pool, [torch.full((64,), -1, device=cuda_path)]
         )
         other_copied.synchronize()
@@ -104,14 +104,14 @@ def test_host_copies_keep_their_block_lent_through_every_view(cuda_path):
         assert all(np.array_equal(np.asarray(kept), values) for kept, values in survivors)
         survivors.pop(0)
     gc.collect()
-    (again,), again_copied = staging.copy_into_pool(pool, [source])
+    (again,), again_copied = pinned_copies.copy_into_pool(pool, [source])
     again_copied.synchronize()
     assert again.data_ptr() == lent_block_address  # the most recently returned: reused
 
 
 def test_a_result_read_before_its_event_is_unwritten(host_cuda):
     """The stand-in defers copies to the wait: a reader that skips it would see no data."""
-    (host,), copied = staging.copy_to_host_async([torch.arange(1, 9)])
+    (host,), copied = pinned_copies.copy_to_host_async([torch.arange(1, 9)])
     assert not copied.query() and host.tolist() != list(range(1, 9))
     copied.synchronize()
     assert copied.query() and host.tolist() == list(range(1, 9))
@@ -194,8 +194,8 @@ def test_concurrent_plans_from_eight_threads(cuda_path):
 
 
 def test_evicted_blocks_are_unpinned_once(host_cuda):
-    pool = staging.pinned_pool(max_retained_bytes=0)
-    (host,), copied = staging.copy_into_pool(pool, [torch.arange(10)])
+    pool = pinned_copies.pinned_pool(max_retained_bytes=0)
+    (host,), copied = pinned_copies.copy_into_pool(pool, [torch.arange(10)])
     copied.synchronize()
     assert len(host_cuda.pinned) == 1
     del host
@@ -205,15 +205,15 @@ def test_evicted_blocks_are_unpinned_once(host_cuda):
 def test_pinned_memory_is_unpinned_before_it_is_unmapped_whoever_drops_it(host_cuda):
     """A pool dropped with free blocks, a block outlived by a view: each is unpinned, once,
     while still mapped (a mapping freed pinned makes the next one at its address fail)."""
-    pool = staging.pinned_pool()
-    (host,), copied = staging.copy_into_pool(pool, [torch.arange(10)])
+    pool = pinned_copies.pinned_pool()
+    (host,), copied = pinned_copies.copy_into_pool(pool, [torch.arange(10)])
     copied.synchronize()
     del host
     assert pool.retained_bytes > 0 and len(host_cuda.pinned) == 1  # a free block, pinned
     del pool
     gc.collect()
     assert host_cuda.pinned == {}
-    block = staging.allocate_pinned_block(4096)
+    block = pinned_copies.allocate_pinned_block(4096)
     view = block.tensor[:8]
     del block
     gc.collect()
@@ -222,6 +222,6 @@ def test_pinned_memory_is_unpinned_before_it_is_unmapped_whoever_drops_it(host_c
     del view
     gc.collect()
     assert host_cuda.pinned == {}
-    released = staging.allocate_pinned_block(4096)
-    staging.release_pinned_block(released)
+    released = pinned_copies.allocate_pinned_block(4096)
+    pinned_copies.release_pinned_block(released)
     assert host_cuda.pinned == {} and released.array.base.unpin.alive is False

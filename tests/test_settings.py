@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from gpu_planner import settings, staging
+from gpu_planner import pinned_copies, settings
 
 
 @pytest.mark.parametrize(
@@ -64,7 +64,7 @@ def test_values_and_defaults(monkeypatch):
     monkeypatch.setenv("GPU_PLANNER_STAGING_RETAINED_BYTES", "0x1000")
     assert settings.get(settings.HANDOFF) == "lists"
     assert settings.get(settings.BATCH_TIMEOUT_S) is None
-    assert staging.pinned_pool().max_retained_bytes == 4096
+    assert pinned_copies.pinned_pool().max_retained_bytes == 4096
 
 
 def test_the_docs_table_is_the_modules():

@@ -17,7 +17,7 @@ import torch
 import gpu_planner as gp
 from gpu_planner.cuda_runtime import cuda_runtime
 from gpu_planner.integration.sglang.fallback import Fallback
-from gpu_planner.staging import copy_to_host
+from gpu_planner.pinned_copies import copy_to_host
 
 
 @dataclasses.dataclass

@@ -13,9 +13,10 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 from prometheus_client import CollectorRegistry, generate_latest, multiprocess
 
-from gpu_planner.integration.sglang import counters
+from gpu_planner.integration.sglang import counters, fallback
 from gpu_planner.integration.sglang.fallback import log_fallback_once
 
 SEND = ("generic", "arrays", 40, 4096, 0.002, 4, 3)  # 10 runs per buffer, 2 batch cuts
@@ -48,19 +49,32 @@ def test_every_fallback_is_counted_but_logged_once(caplog):
     assert caplog.text.count("a reason the counter test gives") == 1
 
 
-def test_a_send_that_is_not_staged_is_counted_and_logged_as_going_direct(caplog):
-    """It stays the hook's send: the log says it goes direct, not back to sglang's code."""
-    from gpu_planner.integration.sglang import staged_send
+def test_a_sends_path_is_counted_per_send_and_its_reason_logged_once(caplog, monkeypatch):
+    """A send toward a staging decode whose buffers cannot be staged stays the hook's send:
+    counted under its path and reason every time, logged once as going direct, never as a
+    fallback to sglang's code."""
+    from gpu_planner.integration.sglang import send_path, staged_send
+    from gpu_planner.integration.sglang.prefill_routes import ROUTES
+    from gpu_planner.integration.sglang.staging_wire import Capability
 
-    key = "not staged: a reason the counter test gives"
-    before = counters.snapshot()["fallbacks"].get(key, 0)
-    with caplog.at_level(logging.INFO, logger="gpu_planner.integration.sglang.plugin"):
-        for _ in range(2):
-            assert staged_send._not_staged("a reason the counter test gives") is None
-    assert counters.snapshot()["fallbacks"][key] == before + 2
-    assert caplog.messages == [
-        "gpu_planner: a send goes direct, not staged: a reason the counter test gives"
-    ]
+    monkeypatch.setattr(fallback, "_logged_keys", set())  # logged once per process
+    key = f"{send_path.DIRECT}/{staged_send.NOT_ONE_SHARE}"
+    pages = np.arange(4)
+    before = counters.snapshot()
+    ROUTES.advertised("counter-test", Capability(address=1 << 40, nbytes=1 << 20))
+    try:
+        with caplog.at_level(logging.INFO, logger="gpu_planner.integration.sglang.plugin"):
+            for _ in range(2):
+                decision = send_path.generic_path(
+                    None, "counter-test", pages, pages, staged_send.NOT_ONE_SHARE, 4
+                )
+                assert (decision.path, decision.lease) == (send_path.DIRECT, None)
+    finally:
+        ROUTES.advertised("counter-test", None)
+    after = counters.snapshot()
+    assert after["paths_chosen"][key] == before["paths_chosen"].get(key, 0) + 2
+    assert after["fallbacks"] == before["fallbacks"]
+    assert caplog.messages == [f"gpu_planner: a send goes direct: {staged_send.NOT_ONE_SHARE}"]
 
 
 def test_metrics_reach_another_process_through_the_multiprocess_folder(tmp_path):

@@ -1,4 +1,4 @@
-"""Pinned host staging for the planner's device-to-host copies.
+"""Pinned host copies: where the planner's device-to-host copies land.
 
 Each copy lands in a page-locked block of a `BlockPool` (block_pool.py): the
 returned tensors keep their block lent for as long as anything views them,
@@ -117,15 +117,15 @@ def pinned_pool(max_retained_bytes: int | None = None) -> BlockPool:
     return BlockPool(max_retained_bytes, allocate_pinned_block, release_pinned_block)
 
 
-_staging: BlockPool | None = None  # the process's pool, made at its first copy
+_pinned_pool: BlockPool | None = None  # the process's pool, made at its first copy
 
 
 def _shared_pool() -> BlockPool:
     """The process's pinned pool (sized by the loaded setting when first used)."""
-    global _staging
-    if _staging is None:
-        _staging = pinned_pool()
-    return _staging
+    global _pinned_pool
+    if _pinned_pool is None:
+        _pinned_pool = pinned_pool()
+    return _pinned_pool
 
 
 def copy_to_host(source: torch.Tensor, stream: torch.cuda.Stream | None = None) -> torch.Tensor:

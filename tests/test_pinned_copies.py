@@ -18,7 +18,11 @@ def test_mixed_torch_devices_are_a_clear_error():
 
 @pytest.mark.skipif(not ON_CUDA, reason="no CUDA device (the host-memory twins above run)")
 def test_cuda_staging_copies_exactly_and_unpins_evicted_blocks():
-    from gpu_planner.staging import allocate_pinned_block, copy_into_pool, release_pinned_block
+    from gpu_planner.pinned_copies import (
+        allocate_pinned_block,
+        copy_into_pool,
+        release_pinned_block,
+    )
 
     released = []
 
