@@ -61,7 +61,11 @@ from gpu_planner.inputs import HOST
 from gpu_planner.integration.mooncake.engine import stalled_write_s
 from gpu_planner.integration.sglang.counters import record_receive_fallback, record_scatter
 from gpu_planner.integration.sglang.fallback import best_effort, log_fallback_once
-from gpu_planner.integration.sglang.registered_region import PerManager, RegisteredRegion
+from gpu_planner.integration.sglang.registered_region import (
+    PerManager,
+    RegisteredRegion,
+    kernel_backend,
+)
 from gpu_planner.integration.sglang.staging_wire import (
     KV_POLL_FAILED,
     KV_POLL_SUCCESS,
@@ -393,6 +397,7 @@ class ReceiveRegion(RegisteredRegion):
                     if device_pages is None
                     else device_pages[start : start + count],
                     dst_is_device=staged.is_device,
+                    backend=kernel_backend(self.torch_device),
                 )
             if runtime.runs_on_device(self.torch_device):
                 event = runtime.new_event()

@@ -39,6 +39,13 @@ class RegisteredRegion:
         self._wrapper.deregister(self.region.data_ptr())
 
 
+def kernel_backend(torch_device: torch.device) -> str:
+    """The gather's and scatter's backend for a region on `torch_device`: the Triton kernel for
+    device memory (the region's device, which a CUDA stand-in lets host bytes stand for), the
+    compiled CPU loop for host memory."""
+    return "triton" if torch_device.type == "cuda" else "cpu"
+
+
 Region = TypeVar("Region")
 
 

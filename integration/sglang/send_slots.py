@@ -52,7 +52,11 @@ from gpu_planner.head_slices import HeadSliceLayout
 from gpu_planner.integration.mooncake.engine import stalled_write_s
 from gpu_planner.integration.sglang.adapter import AsyncWrites
 from gpu_planner.integration.sglang.counters import record_held_slot
-from gpu_planner.integration.sglang.registered_region import PerManager, RegisteredRegion
+from gpu_planner.integration.sglang.registered_region import (
+    PerManager,
+    RegisteredRegion,
+    kernel_backend,
+)
 
 SLOTS = 4  # a region's slots: two sends at once each keep one chunk on the wire while gathering
 SLOTS_PER_SEND = 2  # one chunk on the wire while the next is gathered
@@ -184,6 +188,7 @@ def gather_into_slot(
             src_pages[chunk.pages],
             slots.slot(slot),
             src_lens[chunk.entries],
+            backend=kernel_backend(slots.torch_device),
         )
         if not runtime.runs_on_device(slots.torch_device):
             return None

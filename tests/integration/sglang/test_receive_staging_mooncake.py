@@ -47,6 +47,7 @@ from gpu_planner.integration.sglang import (
 )
 from gpu_planner.integration.sglang.frames import KVRegistration, TransferRequest
 from gpu_planner.integration.sglang.staging_wire import STAGED_TAG
+from gpu_planner.kernels import interpreter_enabled
 
 POOL_PAGES = 128
 PAGE_SIZE = 4
@@ -91,10 +92,15 @@ def all_slots_back(staging: send_slots.SendSlots, held: int = 0, within_s: float
 class Deployment:
     """One prefill and one decode manager, connected as sglang connects them."""
 
-    def __init__(self, engines, item_lens: list[int], device_buffers: int, seed: int) -> None:
+    def __init__(
+        self, engines, item_lens: list[int], device_buffers: int, seed: int, place=None
+    ) -> None:
         prefill_engine, decode_engine = engines
         self.source = kv_pool(prefill_engine, item_lens, seed)
         self.destination = kv_pool(decode_engine, item_lens, None)
+        if place is not None:  # both sides' KV stands for a GPU's: device slots and region
+            place(self.source)
+            place(self.destination)
         self.decode = decode_manager(decode_engine, self.destination, device_buffers)
         self.prefill = make_manager(
             prefill_engine, kv_data_ptrs=self.source.ptrs, kv_data_lens=self.source.lens
@@ -207,6 +213,46 @@ class Deployment:
             pool.close()
 
 
+class Placement:
+    """Where the KV and so the send slots and the receive region are: host memory, or a GPU
+    whose kernels (the gather, the scatter) and events the CUDA stand-in and the Triton
+    interpreter run (tests/cuda_standin.py)."""
+
+    def __init__(self, request, device: bool) -> None:
+        self.device = device
+        self.launches = {"gather": 0, "scatter": 0}
+        if device:
+            self.runtime = request.getfixturevalue("host_cuda")
+            monkeypatch = request.getfixturevalue("monkeypatch")
+            from gpu_planner.kernels import head_gather, head_scatter
+
+            for name, module, launcher in (
+                ("gather", head_gather, "launch_gather_head_slices"),
+                ("scatter", head_scatter, "launch_scatter_head_slices"),
+            ):
+                monkeypatch.setattr(
+                    module, launcher, self._counted(name, getattr(module, launcher))
+                )
+
+    def _counted(self, name, launch):
+        def counted(*args, **kwargs):
+            self.launches[name] += 1
+            return launch(*args, **kwargs)
+
+        return counted
+
+    def __call__(self, pool: KVPool) -> None:
+        if self.device:
+            self.runtime.place(pool.tensor, 0)
+
+
+@pytest.fixture(params=["host", "device"])
+def placement(request) -> Placement:
+    if request.param == "device" and not interpreter_enabled():
+        pytest.skip("the stand-in's kernels need the Triton interpreter")
+    return Placement(request, request.param == "device")
+
+
 @pytest.fixture
 def deployments(engines, monkeypatch):
     set_knob(monkeypatch, settings.STAGING_MIN_DESCRIPTORS.name, "8")
@@ -234,9 +280,15 @@ def deployments(engines, monkeypatch):
     ],
 )
 def test_a_staged_send_lands_what_sglangs_send_lands(
-    deployments, item_lens, device_buffers, chunks
+    deployments, placement, item_lens, device_buffers, chunks
 ):
-    deployment = deployments(item_lens, device_buffers, seed=len(item_lens) + chunks)
+    """In host memory, and on a GPU (the stand-in: device slots, the gather kernel and its
+    event on the prefill; a device region, the scatter kernel and its event on the decode;
+    HiSparse's two page spaces with every buffer on the device): the pool holds what
+    sglang's own send lands, and every slot and part comes back."""
+    deployment = deployments(
+        item_lens, device_buffers, seed=len(item_lens) + chunks, place=placement
+    )
     rng = np.random.default_rng(chunks)
     num_pages = 48
     src_pages = fragmented(rng, num_pages, np.int64)
@@ -259,6 +311,14 @@ def test_a_staged_send_lands_what_sglangs_send_lands(
     assert staged == chunks
     assert after["descriptors"] - before["descriptors"] == pieces  # one per slot-sized piece
     assert after["staged_scatters"] - before["staged_scatters"] == pieces
+    region = receive_staging.REGIONS.existing(deployment.decode)
+    slots = send_slots.SEND_SLOTS.get(deployment.prefill)
+    assert (region.torch_device.type, slots.torch_device.type) == (
+        ("cuda", "cuda") if placement.device else ("cpu", "cpu")
+    )
+    if placement.device:  # each piece gathered, and each chunk scattered, by one kernel
+        assert placement.launches == {"gather": pieces, "scatter": pieces}
+    assert region.lent_rooms == 0 and all_slots_back(slots)
     region = receive_staging.REGIONS.existing(deployment.decode)
     assert region.lent_rooms == 0  # Success gave the part back
 
@@ -380,12 +440,17 @@ def test_the_next_piece_is_gathered_while_one_is_on_the_wire(deployments, monkey
     np.testing.assert_array_equal(deployment.destination.tensor.numpy(), expected)
 
 
-@pytest.mark.parametrize("path", WRITE_PATHS)
-def test_a_failed_piece_fails_the_send_without_a_note(deployments, monkeypatch, path):
+@pytest.mark.parametrize(  # device slots write each piece from the executor (no parts)
+    ("placement", "path"),
+    [("host", "parts"), ("host", "executor"), ("device", "executor")],
+    indirect=["placement"],
+)
+def test_a_failed_piece_fails_the_send_without_a_note(deployments, placement, monkeypatch, path):
     """Piece 1's call fails: the send returns sglang's -1, no piece is gathered after the
     failure was seen, the decode gets no note (it scatters nothing), every other slot comes back
-    and the failed piece's slot is held (the engine may still read it)."""
-    deployment = deployments([256] * 8, 0, seed=23)
+    and the failed piece's slot is held (the engine may still read it). Device slots write
+    each piece from the executor once its gather's event completed."""
+    deployment = deployments([256] * 8, 0, seed=23, place=placement)
     rng = np.random.default_rng(24)
     src_pages, host_pages = fragmented(rng, 40, np.int64), fragmented(rng, 40)  # five pieces
     timeline = PieceTimeline(monkeypatch, deployment, path, failing_write=1)
@@ -706,7 +771,7 @@ def advertised_registration(decode, pool: KVPool) -> list[bytes]:
     ("prefill_tp", "order"), [(2, (0, 1)), (2, (1, 0)), (4, (3, 0, 2, 1))]
 )  # TP 4: two replicas of each KV head, both writing its share, as sglang's own send does
 def test_tp_down_ranks_and_head_replicas_land_sglangs_bytes(
-    engines, monkeypatch, prefill_tp, order
+    engines, monkeypatch, placement, prefill_tp, order
 ):
     """Prefill attention TP 2 or 4 -> decode TP 1, 2 KV heads: each prefill rank sends half of
     every decode token slot through the hooked `send_kvcache_slice`, staged, and its status
@@ -718,6 +783,7 @@ def test_tp_down_ranks_and_head_replicas_land_sglangs_bytes(
     session, heads, head_bytes, num_pages, room = decode_engine.session_id, 2, 32, 40, 3
     decode_lens = [PAGE_SIZE * heads * head_bytes] * 8  # K/V of 4 layers
     destination = kv_pool(decode_engine, decode_lens, None)
+    placement(destination)
     reference = kv_pool(decode_engine, decode_lens, None)
     decode = decode_manager(decode_engine, destination)
     notes: list[list[bytes]] = []
@@ -731,6 +797,7 @@ def test_tp_down_ranks_and_head_replicas_land_sglangs_bytes(
         for rank in order:
             head = rank * heads // prefill_tp  # replicas of one head hold the same KV
             source = kv_pool(prefill_engine, [PAGE_SIZE * head_bytes] * 8, seed=20 + head)
+            placement(source)
             sources.append(source)
             prefill = make_manager(
                 prefill_engine, kv_data_ptrs=source.ptrs, kv_data_lens=source.lens,
@@ -758,6 +825,9 @@ def test_tp_down_ranks_and_head_replicas_land_sglangs_bytes(
         assert decode.request_status[room] == KV_POLL_SUCCESS
         assert counters.snapshot()["sends"].get("staged/arrays", 0) - before == prefill_tp
         np.testing.assert_array_equal(destination.tensor.numpy(), reference.tensor.numpy())
+        if placement.device:  # each rank's pieces gathered and scattered by the kernels
+            assert placement.launches["gather"] >= prefill_tp
+            assert placement.launches["scatter"] == placement.launches["gather"]
         assert receive_staging.REGIONS.existing(decode).lent_rooms == 0
     finally:
         receive_staging.REGIONS.release(decode)
