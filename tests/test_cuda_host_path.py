@@ -181,6 +181,7 @@ def test_concurrent_plans_from_eight_threads(cuda_path):
             results[seed] = (plan, pages)
         except BaseException as error:  # reported by the main thread
             failures.append(error)
+            start.abort()  # the others stop waiting for this thread
 
     threads = [threading.Thread(target=plan_and_keep, args=(seed,)) for seed in range(8)]
     with one_kernel_at_a_time():

@@ -26,7 +26,6 @@ from bench.servers.launcher import (
 )
 
 ROOT = Path(__file__).resolve().parents[2]
-GONE_WITHIN_S = 5.0
 
 # A server: a child process in its group (sglang's scheduler), its pids in $FAKE_PIDS, 200 on GET.
 FAKE_SERVER = textwrap.dedent("""
@@ -132,8 +131,7 @@ def test_a_server_and_its_child_die_when_the_launcher_is_sigkilled(tmp_path, loc
         launcher.wait()
         _wait_for(
             lambda: all(map(_gone, (keeper, server, child))),
-            GONE_WITHIN_S,
-            "the keeper, the server and its child gone after the launcher's SIGKILL",
+            what="the keeper, the server and its child gone after the launcher's SIGKILL",
         )
         assert _lock_free(lock_file)
         log = (tmp_path / "fake.log").read_text()
@@ -173,18 +171,40 @@ def test_a_stopped_or_killed_server_is_not_signalled_again(tmp_path, monkeypatch
 
 def test_stop_all_gives_every_server_one_shared_grace(tmp_path, monkeypatch):
     """Servers that ignore SIGTERM (as sglang outlasts the grace) stop in one grace together,
-    not one each, and are all killed; an already stopped one is not signalled again."""
+    not one each: every group gets SIGTERM before the first SIGKILL, and all are killed; an
+    already stopped one is not signalled again."""
     grace_s = 1.5
     monkeypatch.setattr(launcher, "STOP_GRACE_S", grace_s)
-    deaf = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)"
-    spec = ServerSpec("deaf", (), command=(sys.executable, "-c", deaf))
-    servers = [start(spec, tmp_path / f"deaf{index}.log") for index in range(4)]
+    deaf = (
+        "import pathlib, signal, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+        "pathlib.Path(sys.argv[1]).touch(); time.sleep(600)"
+    )
+    deaf_now = [tmp_path / f"deaf{index}.ignoring" for index in range(4)]
+    servers = [
+        start(
+            ServerSpec("deaf", (), command=(sys.executable, "-c", deaf, str(marker))),
+            tmp_path / f"deaf{index}.log",
+        )
+        for index, marker in enumerate(deaf_now)
+    ]
     servers[0].stop()
-    time.sleep(0.5)  # the others' interpreters are up and ignore SIGTERM by now
+    _wait_for(lambda: all(marker.exists() for marker in deaf_now[1:]), what="SIGTERM ignored")
+    signalled = []
+    send = os.killpg
+
+    def recorded(group: int, sig: int) -> None:
+        if sig:  # not a probe
+            signalled.append((sig, group))
+        send(group, sig)
+
+    monkeypatch.setattr(os, "killpg", recorded)
     began = time.monotonic()
     stop_all(servers)
-    elapsed = time.monotonic() - began
-    assert grace_s <= elapsed < 2 * grace_s  # one after another: 3 graces
+    assert time.monotonic() - began >= grace_s  # the grace ran out: none of them exited
+    groups = [server.process.pid for server in servers[1:]]
+    assert signalled == [(signal.SIGTERM, group) for group in groups] + [
+        (signal.SIGKILL, group) for group in groups
+    ]
     assert all(server.stopped for server in servers)
     assert [server.process.returncode for server in servers[1:]] == [-signal.SIGKILL] * 3
 
@@ -253,7 +273,7 @@ def test_a_second_process_waits_for_the_lock_and_says_who_holds_it(tmp_path, hol
     assert not (tmp_path / "second").exists()  # still waiting
     (tmp_path / "first-go").touch()
     assert first.wait(timeout=30) == 0
-    _wait_for((tmp_path / "second").exists, GONE_WITHIN_S, "the second holder's turn")
+    _wait_for((tmp_path / "second").exists, what="the second holder's turn")
     (tmp_path / "second-go").touch()
     assert second.wait(timeout=30) == 0
     assert "suite B got the lock after" in err.read_text()
@@ -268,7 +288,7 @@ def test_a_holder_killed_by_sigkill_lets_the_next_one_in(tmp_path, holder):
     assert not (tmp_path / "second").exists()
     first.send_signal(signal.SIGKILL)
     first.wait()
-    _wait_for((tmp_path / "second").exists, GONE_WITHIN_S, "the second holder's turn")
+    _wait_for((tmp_path / "second").exists, what="the second holder's turn")
     (tmp_path / "second-go").touch()
     assert second.wait(timeout=30) == 0
 

@@ -83,7 +83,7 @@ class Peer:
     def stop(self) -> None:
         """SIGSTOP the peer; return once it is stopped (signals arrive asynchronously)."""
         os.kill(self.process.pid, signal.SIGSTOP)
-        deadline = time.monotonic() + 10.0
+        deadline = time.monotonic() + REPLY_TIMEOUT_S
         while _process_state(self.process.pid) != "T":
             assert time.monotonic() < deadline, f"process {self.process.pid} did not stop"
             time.sleep(0.001)

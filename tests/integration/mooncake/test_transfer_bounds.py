@@ -32,7 +32,7 @@ from gpu_planner.integration.mooncake import (
 )
 from gpu_planner.plan import exact_total
 
-WAIT_S = 10.0  # bound on every wait for a thread or a call; a passing test waits far less
+WAIT_S = 60.0  # bound on every wait for a thread or a call; a passing test waits far less
 
 
 class BlockingEngine:
