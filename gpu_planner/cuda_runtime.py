@@ -32,6 +32,36 @@ class CudaRuntime:
     def __init__(self) -> None:
         self._side_streams: dict[torch.device, Any] = {}
         self._side_streams_lock = threading.Lock()
+        self._per_thread = threading.local()  # each thread's DeviceContext per torch device
+        self._workspace_pools: dict[int, Any] = {}
+
+    def device_context(self, torch_device: torch.device) -> DeviceContext:
+        """The calling thread's `DeviceContext` of `torch_device` (resolved once per thread).
+
+        sglang's transfer threads never select a device, so a plan takes its
+        device from its tensors; resolving it (and its side stream) once per
+        thread keeps torch's device guards and index lookups off every call.
+        """
+        contexts = self._per_thread.__dict__.setdefault("contexts", {})
+        context = contexts.get(torch_device)
+        if context is None:
+            index = torch_device.index
+            if index is None:
+                index = self.current_device() if torch_device.type == "cuda" else 0
+            context = DeviceContext(self, index, torch_device)
+            contexts[torch_device] = context
+        return context
+
+    def exchange_device(self, index: int) -> int:
+        """Make device `index` current in this thread; return the previous one (no lookup)."""
+        return torch._C._cuda_exchangeDevice(index)
+
+    def restore_device(self, previous: int) -> None:
+        torch._C._cuda_maybeExchangeDevice(previous)
+
+    def launch_stream(self, index: int) -> int | None:
+        """The raw handle of device `index`'s current stream, for cached kernel launches."""
+        return torch._C._cuda_getCurrentRawStream(index)
 
     def runs_on_device(self, torch_device: torch.device) -> bool:
         """Whether tensors on `torch_device` take the CUDA path (staging, events, streams)."""
@@ -101,6 +131,47 @@ class CudaRuntime:
 
     def _new_stream(self, torch_device: torch.device) -> Any:
         return torch.cuda.Stream(device=torch_device)
+
+    def workspace_pool(self, index: int) -> Any:
+        """This process's pool of plan workspaces on CUDA device `index` (made once)."""
+        from gpu_planner.workspaces import WorkspacePool
+
+        with self._side_streams_lock:
+            if index not in self._workspace_pools:
+                cuda = torch.device("cuda", index)
+                self._workspace_pools[index] = WorkspacePool(
+                    lambda nbytes: self.empty_bytes(nbytes, cuda)
+                )
+            return self._workspace_pools[index]
+
+
+class DeviceContext:
+    """One thread's view of one CUDA device: its index and the process's side stream there.
+
+    `with context:` makes the device current for the block (two C calls, no
+    index lookup), as the compiled kernels, allocations and copies need.
+    """
+
+    def __init__(self, runtime: CudaRuntime, index: int, torch_device: torch.device) -> None:
+        self.runtime = runtime
+        self.index = index
+        self.torch_device = torch_device
+        self._side_stream: Any = None
+        self._previous: list[int] = []
+        self.workspaces = runtime.workspace_pool(index)
+
+    @property
+    def side_stream(self) -> Any:
+        if self._side_stream is None:
+            self._side_stream = self.runtime.side_stream(torch.device("cuda", self.index))
+        return self._side_stream
+
+    def __enter__(self) -> DeviceContext:
+        self._previous.append(self.runtime.exchange_device(self.index))
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.runtime.restore_device(self._previous.pop())
 
 
 @functools.cache

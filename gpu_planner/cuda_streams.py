@@ -10,7 +10,7 @@ reader never waits for unrelated work queued on its own stream.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -30,15 +30,19 @@ def torch_device_of(tensors: Sequence[torch.Tensor]) -> torch.device:
     return torch_devices.pop()
 
 
-@contextlib.contextmanager
-def on_torch_device(torch_device: torch.device) -> Iterator[None]:
-    """Make `torch_device` current for CUDA launches and allocations; nothing on the CPU."""
+def on_torch_device(torch_device: torch.device) -> contextlib.AbstractContextManager:
+    """Make `torch_device` current for CUDA launches and allocations; nothing on the CPU.
+
+    A device with an index goes through the calling thread's cached
+    `DeviceContext` (no index lookup, no torch guard); a bare "cuda" through
+    torch's guard, which resolves it to the current device.
+    """
     runtime = cuda_runtime()
     if not runtime.runs_on_device(torch_device):
-        yield
-        return
-    with runtime.device_guard(torch_device):
-        yield
+        return contextlib.nullcontext()
+    if torch_device.type == "cuda" and torch_device.index is None:
+        return runtime.device_guard(torch_device)
+    return runtime.device_context(torch_device)
 
 
 def side_stream(torch_device: torch.device) -> torch.cuda.Stream:

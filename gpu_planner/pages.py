@@ -7,6 +7,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from gpu_planner.cuda_runtime import cuda_runtime
 from gpu_planner.cuda_streams import on_torch_device
 from gpu_planner.errors import PlanValidationError
 from gpu_planner.inputs import Backend, IndexLike, as_index_tensor, check_page_size, resolve_backend
@@ -70,8 +71,20 @@ def kv_to_page_indices(
     from gpu_planner.kernels.page_indices import launch_page_indices
 
     with on_torch_device(slots.device):
-        _, pages = launch_page_indices(None, slots, 0, slots.numel(), page_size)
+        target = _launch_target(slots.device)
+        _, pages = launch_page_indices(None, slots, 0, slots.numel(), page_size, target)
     return _like_input(pages, kv_slots)
+
+
+def _launch_target(torch_device: torch.device):
+    """Cached kernel launches on the thread's context of `torch_device` (None: through the JIT)."""
+    from gpu_planner.kernels.launcher import LaunchTarget
+
+    runtime = cuda_runtime()
+    if not runtime.runs_on_device(torch_device) or torch_device.index is None:
+        return None
+    index = runtime.device_context(torch_device).index
+    return LaunchTarget(index, runtime.launch_stream(index))
 
 
 def page_indices(
@@ -125,7 +138,12 @@ def page_indices(
 
         with on_torch_device(device_slots.device):
             host_pages, device_pages = launch_page_indices(
-                host_slot_tensor, device_slots, start, end, page_size
+                host_slot_tensor,
+                device_slots,
+                start,
+                end,
+                page_size,
+                _launch_target(device_slots.device),
             )
     return PageIndices(
         host=_like_input(host_pages, host_slots), device=_like_input(device_pages, req_to_token_row)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
@@ -12,8 +13,7 @@ import numpy as np
 import torch
 
 from gpu_planner import cpu_backend
-from gpu_planner.cuda_runtime import cuda_runtime
-from gpu_planner.cuda_streams import on_torch_device, side_stream
+from gpu_planner.cuda_runtime import DeviceContext, cuda_runtime
 from gpu_planner.descriptors import HostDescriptors
 from gpu_planner.errors import PlanValidationError
 from gpu_planner.inputs import (
@@ -22,13 +22,14 @@ from gpu_planner.inputs import (
     IndexLike,
     PageList,
     collect_pages,
+    raise_recorded_negative_page,
     resolve_backend,
 )
 from gpu_planner.layout import BufferLayout
 from gpu_planner.pinned_copies import copy_to_host_async
 from gpu_planner.profiling import nvtx_range
-from gpu_planner.runs import launch_runs, read_device_counts
-from gpu_planner.status import recorded_out_of_bounds
+from gpu_planner.runs import launch_runs
+from gpu_planner.status import NUM_SLOTS, recorded_out_of_bounds
 
 if TYPE_CHECKING:  # the kernels import triton; load them only when they run
     from gpu_planner.kernels.run_scan import RunTables
@@ -66,16 +67,20 @@ class PlanPiece(NamedTuple):
 
 @dataclass(frozen=True)
 class LaunchedPlan:
-    """A kernel plan before its first read: run tables on the device, and where they ran.
+    """A kernel plan before its first read: run tables and descriptors on the device.
 
-    `done` is recorded on the planning stream after the last run kernel; None
-    on the CPU (Triton interpreter) and inside CUDA-graph capture, where the
-    reader orders itself after its own current stream instead.
+    `done` is recorded on the planning stream after the last kernel; None on
+    the CPU (Triton interpreter) and inside CUDA-graph capture, where the
+    reader orders itself after its own current stream instead. `context` is
+    the planning thread's device context (None where tensors do not take the
+    CUDA path); `workspace` came from `context.workspaces` (None: the plan's own).
     """
 
     runs: RunTables
     torch_device: torch.device
     done: torch.cuda.Event | None
+    context: DeviceContext | None = None
+    workspace: torch.Tensor | None = None
 
 
 class TransferPlan:
@@ -96,6 +101,10 @@ class TransferPlan:
         self._state = state
         self._read_lock = threading.Lock()
         self._columns: torch.Tensor | None = None  # a tensor view of the host columns
+        self._give_back = None  # gives a pooled workspace back if the plan is dropped unread
+        if isinstance(state, LaunchedPlan) and state.workspace is not None:
+            pool = state.context.workspaces
+            self._give_back = weakref.finalize(self, pool.give, state.workspace, state.done)
 
     @classmethod
     def from_host(
@@ -124,30 +133,51 @@ class TransferPlan:
         return self
 
     def _read(self, launched: LaunchedPlan) -> HostDescriptors:
-        """Status and counts, exact expansion, one copy; on a stream that waits on `done` only."""
-        from gpu_planner.kernels.expand_descriptors import launch_expand_descriptors
+        """Status, counts and descriptors in one copy and one host wait; raise recorded errors.
 
+        The copy takes the status word, the run counts and as many descriptor
+        entries as recent plans of this workspace class needed; a plan that
+        needs more (larger than those before it) copies the rest after a
+        second wait. The workspace goes back to its pool afterwards.
+        """
+        try:
+            with (
+                _device_scope(launched),
+                _reading_stream(launched) as stream,
+                nvtx_range("materialize/copy"),
+            ):
+                return self._copy_descriptors(launched, stream)
+        finally:
+            if self._give_back is not None and self._give_back.detach() is not None:
+                launched.context.workspaces.give(launched.workspace)
+
+    def _copy_descriptors(self, launched: LaunchedPlan, stream) -> HostDescriptors:
         runs, layout = launched.runs, self.layout
-        with on_torch_device(launched.torch_device), _reading_stream(launched) as stream:
-            with nvtx_range("materialize/read_counts"):
-                batch_run_offsets = read_device_counts(runs, stream)
-            run_counts = [int(offsets[-1]) for offsets in batch_run_offsets]
-            with nvtx_range("materialize/expand"):
-                descriptors = launch_expand_descriptors(
-                    layout.tables(launched.torch_device),
-                    layout.num_host_buffers,
-                    layout.num_device_buffers,
-                    runs,
-                    run_counts,
-                )
-            with nvtx_range("materialize/copy_descriptors"):
-                (columns, status), copied = copy_to_host_async([descriptors, runs.status], stream)
-                if copied is not None:
-                    copied.synchronize()
-        self._raise_out_of_bounds(status.numpy(), runs)
+        pool = None if launched.context is None else launched.context.workspaces
+        size_class = runs.descriptors.numel()
+        expected = 0 if pool is None else pool.expected_entries.get(size_class, 0)
+        speculative = min(size_class, expected + expected // 8)
+        (metadata, prefix), copied = copy_to_host_async(
+            [runs.metadata, runs.descriptors[:speculative]], stream
+        )
+        if copied is not None:
+            copied.synchronize()
+        metadata = metadata.numpy().copy()
+        raise_recorded_negative_page(metadata[:NUM_SLOTS])
+        batch_run_offsets = list(metadata[NUM_SLOTS:].reshape(runs.num_spaces, -1))
         host_runs, device_runs = batch_run_offsets[0], batch_run_offsets[-1]
         batch_offsets = layout.num_host_buffers * host_runs
         batch_offsets += layout.num_device_buffers * device_runs
+        entries = 3 * int(batch_offsets[-1])
+        if pool is not None:
+            pool.expected_entries[size_class] = max(entries, expected * 7 // 8)
+        self._raise_out_of_bounds(metadata[:NUM_SLOTS], runs)
+        if entries <= speculative:
+            columns = prefix[:entries]
+        else:
+            (columns,), copied = copy_to_host_async([runs.descriptors[:entries]], stream)
+            if copied is not None:
+                copied.synchronize()
         return HostDescriptors(
             columns=columns.numpy().reshape(3, -1),
             batch_offsets=batch_offsets,
@@ -355,22 +385,54 @@ def plan_transfer(
 def _launch(
     layout: BufferLayout, pages: dict[str, PageList], batch_pages: int, torch_device: torch.device
 ) -> LaunchedPlan:
-    """Launch the run kernels on the pages' device and current stream; record their event."""
+    """Launch the run and expansion kernels on the pages' device and current stream.
+
+    Four launches through cached compiled kernels into a pooled workspace,
+    then the plan's event; nothing is read back.
+    """
+    from gpu_planner.kernels.expand_descriptors import launch_expand_descriptors
     from gpu_planner.kernels.launch_config import MAX_GRID_Y
+    from gpu_planner.kernels.launcher import LaunchTarget
+    from gpu_planner.kernels.run_scan import workspace_bytes
 
     if layout.num_buffers > MAX_GRID_Y:
         raise PlanValidationError(
             f"layout: {layout.num_buffers} buffers; the Triton backend plans at most "
             f"{MAX_GRID_Y} (one grid row each), use backend='cpu'"
         )
+    tables = layout.tables(torch_device)
     runtime = cuda_runtime()
-    with on_torch_device(torch_device):
-        runs = launch_runs(pages, batch_pages)
+    if not runtime.runs_on_device(torch_device):  # the interpreter on CPU tensors: read at once
+        runs = launch_runs(pages, batch_pages, num_buffers=layout.num_buffers)
+        launch_expand_descriptors(tables, layout.num_host_buffers, layout.num_device_buffers, runs)
+        return LaunchedPlan(runs, torch_device, None)
+    context = runtime.device_context(torch_device)
+    with context:
+        capturing = runtime.is_capturing()
+        workspace = None
+        if not capturing:  # a captured graph keeps its tensors: no pooled workspace for it
+            num_pages = len(pages["src_pages"])
+            num_spaces = 1 + ("dst_device_pages" in pages)
+            num_batches = -(-num_pages // batch_pages)
+            nbytes = workspace_bytes(num_pages, num_spaces, num_batches, layout.num_buffers)
+            workspace = context.workspaces.take(nbytes)
+        target = LaunchTarget(context.index, runtime.launch_stream(context.index))
+        runs = launch_runs(pages, batch_pages, workspace, layout.num_buffers, target)
+        launch_expand_descriptors(
+            tables, layout.num_host_buffers, layout.num_device_buffers, runs, target=target
+        )
         done = None
-        if runtime.runs_on_device(torch_device) and not runtime.is_capturing():
+        if not capturing:
             done = runtime.new_event()
             done.record()
-    return LaunchedPlan(runs, torch_device, done)
+    return LaunchedPlan(runs, torch_device, done, context, workspace)
+
+
+def _device_scope(launched: LaunchedPlan) -> contextlib.AbstractContextManager:
+    """The plan's device made current (its thread's cached context), or nothing on the host."""
+    if launched.context is None:
+        return contextlib.nullcontext()
+    return launched.context.runtime.device_context(launched.torch_device)
 
 
 @contextlib.contextmanager
@@ -380,11 +442,12 @@ def _reading_stream(launched: LaunchedPlan) -> Iterator[torch.cuda.Stream | None
     With no `done` event (a plan captured in a CUDA graph and replayed), the
     side stream waits for the reader's current stream, where the replay ran.
     """
-    runtime = cuda_runtime()
-    if not runtime.runs_on_device(launched.torch_device):
+    if launched.context is None:
         yield None
         return
-    stream = side_stream(launched.torch_device)
+    runtime = launched.context.runtime
+    context = runtime.device_context(launched.torch_device)  # the reading thread's
+    stream = context.side_stream
     if launched.done is None:
         stream.wait_stream(runtime.current_stream(launched.torch_device))
     else:

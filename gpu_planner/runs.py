@@ -23,6 +23,7 @@ from gpu_planner.pinned_copies import copy_to_host
 from gpu_planner.status import NUM_SLOTS
 
 if TYPE_CHECKING:  # the kernels import triton; load them only when they run
+    from gpu_planner.kernels.launcher import LaunchTarget
     from gpu_planner.kernels.run_scan import RunTables
 
 
@@ -113,13 +114,29 @@ def _space_runs_on(
     return SpaceRuns(src_starts, dst_starts, lengths, batch_run_offsets)
 
 
-def launch_runs(pages: dict[str, PageList], batch_pages: int) -> RunTables:
-    """Launch the run-grouping kernels on validated page lists (current device and stream)."""
+def launch_runs(
+    pages: dict[str, PageList],
+    batch_pages: int,
+    workspace: torch.Tensor | None = None,
+    num_buffers: int = 0,
+    target: LaunchTarget | None = None,
+) -> RunTables:
+    """Launch the run-grouping kernels on validated page lists (current device and stream).
+
+    The tables are pieces of `workspace` (with room for `num_buffers` buffers'
+    descriptors), or of a new one; `target` launches through cached kernels.
+    """
     from gpu_planner.kernels.run_scan import launch_group_runs
 
     tensors = {name: as_tensor(values) for name, values in pages.items()}
     return launch_group_runs(
-        tensors["src_pages"], tensors["dst_pages"], tensors.get("dst_device_pages"), batch_pages
+        tensors["src_pages"],
+        tensors["dst_pages"],
+        tensors.get("dst_device_pages"),
+        batch_pages,
+        workspace,
+        num_buffers,
+        target,
     )
 
 

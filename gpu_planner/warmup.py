@@ -15,6 +15,7 @@ import itertools
 
 import torch
 
+from gpu_planner.cuda_runtime import cuda_runtime
 from gpu_planner.cuda_streams import on_torch_device, side_stream
 from gpu_planner.layout import BufferLayout
 
@@ -54,12 +55,21 @@ def warm_up_kernels(torch_device: torch.device) -> int:
     """Launch every kernel variant once on `torch_device` (current stream); return the count.
 
     Runs the launchers themselves on two-page inputs, so every variant is the
-    one a request would launch. The Triton interpreter (a CPU device) runs the
-    same launches and compiles nothing.
+    one a request would launch, and on CUDA keeps each compiled kernel for the
+    cached launches (`kernels/launcher.py`): a request then never goes through
+    the JIT. The Triton interpreter (a CPU device) runs the same launches and
+    compiles nothing.
     """
     from gpu_planner.kernels.expand_descriptors import launch_expand_descriptors
+    from gpu_planner.kernels.launcher import LaunchTarget
     from gpu_planner.kernels.page_indices import launch_page_indices
     from gpu_planner.runs import launch_runs
+
+    target = None
+    if torch_device.type == "cuda":
+        runtime = cuda_runtime()
+        index = runtime.device_context(torch_device).index
+        target = LaunchTarget(index, runtime.launch_stream(index))
 
     def pages(dtype: torch.dtype) -> torch.Tensor:
         return torch.arange(2, dtype=dtype, device=torch_device)
@@ -68,7 +78,7 @@ def warm_up_kernels(torch_device: torch.device) -> int:
     for device_dtype in PAGE_DTYPES:
         for host_dtype in (None, *PAGE_DTYPES):
             host_slots = None if host_dtype is None else pages(host_dtype)
-            launch_page_indices(host_slots, pages(device_dtype), 0, 2, 1)
+            launch_page_indices(host_slots, pages(device_dtype), 0, 2, 1, target)
             launches += 1
     layouts = {
         False: BufferLayout([0], [0], [1]),
@@ -83,11 +93,11 @@ def warm_up_kernels(torch_device: torch.device) -> int:
             page_lists = {"src_pages": pages(src_dtype), "dst_pages": pages(dst_dtype)}
             if device_dtype is not None:
                 page_lists["dst_device_pages"] = pages(device_dtype)
-            runs = launch_runs(page_lists, batch_pages=1)
+            runs = launch_runs(page_lists, 1, num_buffers=layout.num_buffers, target=target)
             # Two pages make at most two runs per space: an upper bound sizes the output.
             run_counts = [2] * runs.num_spaces
             launch_expand_descriptors(
-                tables, layout.num_host_buffers, layout.num_device_buffers, runs, run_counts
+                tables, layout.num_host_buffers, layout.num_device_buffers, runs, run_counts, target
             )
             launches += 4
     return launches

@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 
 from gpu_planner.kernels.launch_config import RUNS
+from gpu_planner.kernels.launcher import LaunchTarget, launch
 from gpu_planner.kernels.run_scan import RunTables
 from gpu_planner.status import DST_SIDE, NO_ERROR, OUT_OF_BOUNDS, SRC_SIDE
 
@@ -120,42 +121,58 @@ def launch_expand_descriptors(
     num_host_buffers: int,
     num_device_buffers: int,
     runs: RunTables,
-    run_counts: list[int],
+    run_counts: list[int] | None = None,
+    target: LaunchTarget | None = None,
 ) -> torch.Tensor:
-    """Write every buffer's descriptors into an exact flat int64 tensor (3 packed columns).
+    """Write every buffer's descriptors as 3 packed columns; return the tensor they are in.
 
-    `run_counts` holds each space's run count, read from `runs.batch_run_offsets`:
-    they size the output and the grid. Launches on the current CUDA device and
-    stream; a layout of more than 65535 buffers is refused by the caller.
+    With `run_counts` (each space's run count, read from `runs.batch_run_offsets`)
+    the output is a new exact flat int64 tensor and the grid fits the counts.
+    Without, the kernel writes into `runs.descriptors` (room for the worst case)
+    over a grid sized by the page count, every program masked by the counts on
+    the device: nothing is read back first, and the exact plan is the prefix
+    [0, 3 * total). Launches on the current CUDA device and stream (cached when
+    `target` has one); a layout of more than 65535 buffers is refused by the caller.
     """
-    space_buffers = (num_host_buffers, num_device_buffers)[: runs.num_spaces]
-    total = sum(buffers * count for buffers, count in zip(space_buffers, run_counts, strict=True))
-    descriptors = torch.empty(3 * total, dtype=torch.int64, device=runs.page_starts.device)
-    if total == 0:
+    num_buffers = num_host_buffers + num_device_buffers
+    if run_counts is None:
+        descriptors = runs.descriptors
+        max_runs = runs.num_pages
+    else:
+        space_buffers = (num_host_buffers, num_device_buffers)[: runs.num_spaces]
+        total = sum(buffers * n for buffers, n in zip(space_buffers, run_counts, strict=True))
+        descriptors = torch.empty(3 * total, dtype=torch.int64, device=runs.page_starts.device)
+        max_runs = max(run_counts) if total else 0
+    if max_runs == 0 or num_buffers == 0:
         return descriptors
-    grid = (RUNS.num_programs(max(run_counts)), num_host_buffers + num_device_buffers)
-    _expand_descriptors_kernel[grid](
-        tables["space"],
-        tables["host_before"],
-        tables["device_before"],
-        tables["src_ptrs"],
-        tables["dst_ptrs"],
-        tables["item_lens"],
-        tables["src_lens"],
-        tables["dst_lens"],
-        runs.page_starts,
-        runs.page_ends,
-        runs.src_starts,
-        runs.dst_starts,
-        runs.batch_run_offsets,
-        descriptors,
-        runs.status[OUT_OF_BOUNDS:],
-        runs.capacity,
-        runs.num_batches,
-        runs.batch_pages,
-        num_host_buffers,
-        num_device_buffers,
-        HAS_DEVICE=runs.num_spaces > 1,
-        **RUNS.launch_options(),
+    launch(
+        _expand_descriptors_kernel,
+        (RUNS.num_programs(max_runs), num_buffers),
+        runs.num_spaces,
+        target,
+        (
+            tables["space"],
+            tables["host_before"],
+            tables["device_before"],
+            tables["src_ptrs"],
+            tables["dst_ptrs"],
+            tables["item_lens"],
+            tables["src_lens"],
+            tables["dst_lens"],
+            runs.page_starts,
+            runs.page_ends,
+            runs.src_starts,
+            runs.dst_starts,
+            runs.batch_run_offsets,
+            descriptors,
+            runs.status[OUT_OF_BOUNDS:],
+            runs.capacity,
+            runs.num_batches,
+            runs.batch_pages,
+            num_host_buffers,
+            num_device_buffers,
+        ),
+        {"HAS_DEVICE": runs.num_spaces > 1, "BLOCK": RUNS.block},
+        RUNS.num_warps,
     )
     return descriptors

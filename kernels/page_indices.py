@@ -11,6 +11,7 @@ import triton
 import triton.language as tl
 
 from gpu_planner.kernels.launch_config import PAGES
+from gpu_planner.kernels.launcher import LaunchTarget, launch
 
 
 @triton.jit
@@ -65,10 +66,12 @@ def launch_page_indices(
     start: int,
     end: int,
     page_size: int,
+    target: LaunchTarget | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor]:
     """(host pages or None, device pages) of tokens [start, end) with step `page_size`.
 
-    Launches on the current CUDA device and stream: the caller guards the device.
+    Launches on the current CUDA device and stream (through the cached compiled
+    kernel when `target` has a stream): the caller guards the device.
     """
     num_pages = -(-(end - start) // page_size) if end > start else 0
     device_pages = torch.empty(num_pages, dtype=device_slots.dtype, device=device_slots.device)
@@ -77,17 +80,23 @@ def launch_page_indices(
         host_pages = torch.empty(num_pages, dtype=host_slots.dtype, device=host_slots.device)
     if num_pages:
         host_source = device_slots if host_slots is None else host_slots
-        _page_indices_kernel[(PAGES.num_programs(num_pages),)](
-            host_source,
-            host_source.stride(0),
-            device_slots,
-            device_slots.stride(0),
-            device_pages if host_pages is None else host_pages,
-            device_pages,
-            start,
-            num_pages,
-            page_size,
-            HAS_HOST=host_slots is not None,
-            **PAGES.launch_options(),
+        launch(
+            _page_indices_kernel,
+            (PAGES.num_programs(num_pages),),
+            (host_source.dtype, device_slots.dtype, host_slots is not None),
+            target,
+            (
+                host_source,
+                host_source.stride(0),
+                device_slots,
+                device_slots.stride(0),
+                device_pages if host_pages is None else host_pages,
+                device_pages,
+                start,
+                num_pages,
+                page_size,
+            ),
+            {"HAS_HOST": host_slots is not None, "BLOCK": PAGES.block},
+            PAGES.num_warps,
         )
     return host_pages, device_pages

@@ -62,8 +62,8 @@ class HostStream:
         self.run_until(self.position())
 
     def wait_event(self, event: HostEvent) -> None:
-        """Order later work after `event`: here, complete what it marks now."""
-        event.synchronize()
+        """Order later work after `event`: here, complete what it marks now (no host wait)."""
+        event.synchronize(host_wait=False)
 
     def wait_stream(self, stream: HostStream) -> None:
         stream.synchronize()
@@ -85,7 +85,8 @@ class HostEvent:
         """Whether the marked work has run (never runs it: only a wait does)."""
         return self._stream is None or self._stream.done_until(self._position)
 
-    def synchronize(self) -> None:
+    def synchronize(self, host_wait: bool = True) -> None:
+        self._runtime.host_waits += host_wait
         if self._stream is not None:
             self._stream.run_until(self._position)
         self._runtime.after_wait()
@@ -103,6 +104,8 @@ class HostCudaRuntime(CudaRuntime):
         self.copies = 0  # copies queued so far
         self.placements: list[tuple[int, int, int]] = []  # (start, end, device) of `place`
         self.allocations: list[tuple[torch.device, int]] = []  # (device, current device) made
+        self.device_lookups = 0  # device guards entered and current devices asked for
+        self.host_waits = 0  # event or stream synchronisations
         self._pinned_lock = threading.Lock()
 
     def runs_on_device(self, torch_device: torch.device) -> bool:
@@ -119,7 +122,20 @@ class HostCudaRuntime(CudaRuntime):
             self._thread.device = previous
 
     def current_device(self) -> int:
+        self.device_lookups += 1
         return getattr(self._thread, "device", 0)
+
+    def exchange_device(self, index: int) -> int:
+        previous = getattr(self._thread, "device", 0)
+        self._thread.device = index
+        return previous
+
+    def restore_device(self, previous: int) -> None:
+        self._thread.device = previous
+
+    def launch_stream(self, index: int) -> None:
+        """No raw stream: kernels launch through the JIT (the interpreter has no compiled ones)."""
+        return None
 
     def current_stream(self, torch_device: torch.device | None = None) -> HostStream:
         return getattr(self._thread, "stream", None) or self._default_stream
