@@ -176,7 +176,7 @@ def check_copies(
             f"{slice_ends[entry]} of a {dst_page_lens[entry]}-byte destination page "
             "(dst_token_lens, dst_head_offsets, slice_lens)"
         )
-    if not num_pages:
+    if not (num_pages and layout.num_layers):  # no copies
         return
     staging_address, staging_len = staging
     staged_starts, staged_ends = staged

@@ -443,6 +443,12 @@ def refused(kv, message, pages=(1, 3), staging=None, src_lens=128, backend=None,
         np.testing.assert_array_equal(staging, before)
 
 
+def test_a_chunk_of_no_entries_copies_nothing(kv):
+    gather_head_slices(
+        chunk_layout(kv_layout(kv), []), np.array([1, 3]), np.zeros(0, np.uint8), 128
+    )
+
+
 def test_refuses_a_negative_source_page(kv):
     refused(kv, r"^src_pages\[1\] = -2: page indices must be >= 0$", pages=(1, -2))
 

@@ -644,6 +644,11 @@ def test_the_refusal_fixture_scatters_when_nothing_is_wrong(kv):
     np.testing.assert_array_equal(kv, expected.reshape(2, 128))
 
 
+def test_a_layout_of_no_entries_copies_nothing(kv):
+    layout = chunk_layout(kv_layout(kv), [])
+    scatter_head_slices(layout, np.array([1, 3]), np.zeros(0, np.uint8), 128)
+
+
 def test_refuses_negative_pages(kv):
     refused(kv, r"^dst_pages\[1\] = -2: page indices must be >= 0$", pages=(1, -2))
     refused(
