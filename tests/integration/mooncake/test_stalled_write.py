@@ -81,4 +81,3 @@ def test_a_slot_a_timed_out_write_read_is_not_lent_while_that_write_can_land(mon
             for slot in others[1:]:
                 slots.give_back(slot)
             slots.release()
-
