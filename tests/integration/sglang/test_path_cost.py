@@ -740,7 +740,8 @@ def test_threads_share_one_model():
     for thread in threads:
         thread.start()
     for thread in threads:
-        thread.join()
+        thread.join(timeout=120)
+        assert not thread.is_alive(), "a sending thread did not end (a lock held for good?)"
     assert sum(sum(costs.figures(peer).sends) for peer in costs.peers()) == 6 * 300
 
 

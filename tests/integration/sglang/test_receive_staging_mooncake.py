@@ -77,7 +77,7 @@ def fragmented(rng: np.random.Generator, count: int, dtype=np.int32) -> np.ndarr
     return runs.reshape(-1)[:count].astype(dtype)
 
 
-def all_slots_back(staging: send_slots.SendSlots, held: int = 0, within_s: float = 10.0) -> bool:
+def all_slots_back(staging: send_slots.SendSlots, held: int = 0, within_s: float = 60.0) -> bool:
     """Whether every send slot is free but `held` (a write that failed read them: held), once
     the engine calls still reading one end: a failed send returns at its first failed piece,
     as sglang's sends do, and a piece still on the wire gives its slot back when its call ends."""
@@ -392,7 +392,7 @@ class PieceTimeline:
     def _write(self, original, *args):
         number = next(self._writes)
         if number == 0:
-            assert self._gathered[1].wait(10), "piece 1 was not gathered while piece 0 waited"
+            assert self._gathered[1].wait(60), "piece 1 was not gathered while piece 0 waited"
         status = -1 if number == self._failing_write else original(*args)
         self.add(f"write {number} ended")
         return status
