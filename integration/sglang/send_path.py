@@ -70,7 +70,7 @@ EQUAL_TP = "equal attention TP"
 NO_PAGES = "no pages"
 SWA_STATE = "SWA state head slices"
 
-# Reasons too common to log (every send of a plain deployment, or the model's own choice).
+# Reasons too common to log: those of every send of a deployment without receive staging.
 _QUIET = frozenset({NO_STAGING_OFFERED, TP_UP, NO_PAGES, SWA_STATE})
 
 
@@ -91,11 +91,12 @@ def generic_path(
     session: str,
     src_pages: np.ndarray,
     dst_pages: np.ndarray,
-    entries: staged_send.StagedEntries,
+    entries: staged_send.StagedEntries | str,
     descriptors: int,
 ) -> PathDecision:
     """A planned generic send's path: staged where the decode offers staging, the model prices
-    it faster, the request lines up and a slot is free; else direct."""
+    it faster, the request lines up and a slot is free; else direct. `entries`: the send's
+    buffers as staging moves them, or why they cannot be staged."""
     staged = _staged(manager, session, src_pages, dst_pages, entries, descriptors)
     if isinstance(staged, PathDecision):
         return staged
