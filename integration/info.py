@@ -67,15 +67,20 @@ def sglang_plugin() -> Section:
         return [("plugin", "GPU_PLANNER_DISABLE is set: sglang plans its own transfers")]
     if importlib.util.find_spec("sglang") is None:
         return [("plugin", "sglang is not installed")]
-    from gpu_planner.integration.sglang.plugin import hook_records, why_not_registered
+    from gpu_planner.integration.sglang.plugin import (
+        hook_records,
+        left_to_sglang,
+        why_not_registered,
+    )
 
     try:
         records = hook_records()
     except ImportError as error:
         reason = f"sglang's Mooncake connector does not import ({error})"
         return [("plugin", f"would not load: {reason}")]
-    rows = [("plugin", "would load")]
     refusals = why_not_registered(records)
+    left = left_to_sglang(records, refusals)
+    rows = [("plugin", "would load" + (f"; {left}" if left else ", every hook registers"))]
     for record in records:
         mismatch = refusals[record.target]
         status = "hooked" if mismatch is None else f"not hooked: {mismatch}"

@@ -5,7 +5,9 @@ entry point named `gpu_planner`. It registers AROUND hooks on
 `MooncakeKVManager._send_kvcache_generic`, the head-sliced sends
 (`send_kvcache_slice`, `_send_swa_state_slice`) and `kv_to_page_indices` with
 sglang's `HookRegistry`, after checking that each target still has the
-signature of sglang 0.5.23 that the hooks mirror. Each hook is one
+signature and the code of sglang 0.5.23 that the hooks mirror
+(`sglang_sources`): any other target runs sglang's own code, and one WARNING
+names the sglang version and every target left. Each hook is one
 `HookRecord` (target, hook, the target's parameters, what to compile);
 `register` iterates them and wraps each hook in `fallback.around`.
 Every knob is parsed when `register` runs (an invalid one: no hook at all);
@@ -31,6 +33,13 @@ from collections.abc import Callable
 from gpu_planner import cpu_backend, head_scatter, head_slices, settings
 from gpu_planner.integration.sglang.counters import record_fallback
 from gpu_planner.integration.sglang.fallback import around, log_fallback_once
+from gpu_planner.integration.sglang.sglang_sources import (
+    MIRRORED_SGLANG,
+    SOURCE_FINGERPRINTS,
+    SUPPORTED_SGLANG,
+    sglang_version,
+    source_fingerprint,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -126,14 +135,14 @@ def register() -> None:
     refusals = why_not_registered(records)
     groups_out = {r.group for r in records if r.group is not None and refusals[r.target]}
     for group in sorted(groups_out):
-        first = next(refusals[r.target] for r in records if r.group == group and refusals[r.target])
-        logger.error("gpu_planner: no %s hook is registered: %s", group, first)
         record_fallback(f"hooks not registered: {group}")
     receive_staging.decode_hooks_registered(DECODE_STAGING not in groups_out)
+    left = left_to_sglang(records, refusals)
+    if left:
+        logger.warning("gpu_planner: %s", left)
     compiles: dict[Callable[[], None], str] = {}  # each compile once, by its first target
     for record in records:
         if refusals[record.target] is not None:
-            log_fallback_once(refusals[record.target], key=f"not registered: {record.target}")
             continue
         hook = record.hook if record.takes_original else around(record.hook)
         HookRegistry.register(record.target, hook, HookType.AROUND)
@@ -333,14 +342,33 @@ def why_not_registered(records: list[HookRecord]) -> dict[str, str | None]:
     return refusals
 
 
+def left_to_sglang(records: list[HookRecord], refusals: dict[str, str | None]) -> str | None:
+    """One line naming this sglang's version and every target its own code keeps, with why;
+    None where every hook registers."""
+    left = [f"{r.target} ({refusals[r.target]})" for r in records if refusals[r.target]]
+    if not left:
+        return None
+    groups = sorted({r.group for r in records if r.group is not None and refusals[r.target]})
+    sets = "".join(f"; no {group} hook registers" for group in groups)
+    return (
+        f"sglang {sglang_version()} (hooks written for {MIRRORED_SGLANG}, supported "
+        f"{SUPPORTED_SGLANG}): {len(left)} of {len(records)} targets run sglang's own code{sets}: "
+        + "; ".join(left)
+    )
+
+
 def target_mismatch(target: str, expected: Parameters) -> str | None:
-    """Why the hook on `target` would not register in this sglang (missing or changed), or None."""
+    """Why the hook on `target` would not register in this sglang, or None: the target is
+    missing, or its parameters or its code are not those of the sglang 0.5.23 it mirrors."""
     try:
-        found = function_parameters(pkgutil.resolve_name(target))
+        function = pkgutil.resolve_name(target)
     except (ImportError, AttributeError) as error:
         return f"{target} is not in this sglang ({error})"
+    found = function_parameters(function)
     if found != expected:
-        return f"{target} has parameters {found}, not the {expected} of sglang 0.5.23"
+        return f"{target} has parameters {found}, not the {expected} of sglang {MIRRORED_SGLANG}"
+    if source_fingerprint(function) != SOURCE_FINGERPRINTS.get(target):
+        return f"{target} runs other code than sglang {MIRRORED_SGLANG}'s, which its hook mirrors"
     return None
 
 

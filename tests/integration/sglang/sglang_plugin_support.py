@@ -22,7 +22,8 @@ os.environ.pop("SGLANG_PLUGINS", None)
 with warnings.catch_warnings():
     # sglang warns that its GPU quantization kernels are unavailable on this machine.
     warnings.simplefilter("ignore")
-    from sglang.srt.disaggregation import minimax  # does `from ...common import kv_to_page_indices`
+    # decode does `from ...common import kv_to_page_indices` (every sglang this supports)
+    from sglang.srt.disaggregation import decode as page_importer
     from sglang.srt.disaggregation.mooncake import conn
     from sglang.srt.mem_cache import common
     from sglang.srt.plugins import load_plugins
@@ -51,7 +52,7 @@ __all__ = [
     "hooked_send",
     "make_decode_manager",
     "make_manager",
-    "minimax",
+    "page_importer",
     "send_outcome",
 ]
 

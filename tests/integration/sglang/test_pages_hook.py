@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from sglang_plugin_support import ORIGINALS, common, minimax
+from sglang_plugin_support import ORIGINALS, common, page_importer
 
 
 @pytest.mark.parametrize("page_size", [1, 4, 64])
@@ -20,7 +20,7 @@ def test_state_pages_survive_the_kv_pages_copy(cuda_path, page_size):
     swa_slots = torch.arange(300 * page_size, 304 * page_size, device=cuda_path)
     kv_slots = torch.arange(7 * page_size, 11 * page_size, device=cuda_path)
     state_pages = [common.kv_to_page_indices(swa_slots, page_size)]
-    kv_pages = minimax.kv_to_page_indices(kv_slots, page_size).astype(np.int32)
+    kv_pages = page_importer.kv_to_page_indices(kv_slots, page_size).astype(np.int32)
     assert state_pages[0].tolist() == [300, 301, 302, 303]
     assert kv_pages.tolist() == [7, 8, 9, 10]
     for _ in range(3):  # later requests' copies

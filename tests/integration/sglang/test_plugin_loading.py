@@ -9,6 +9,7 @@ from importlib.metadata import entry_points
 
 import numpy as np
 import pytest
+import sglang
 import torch
 from sglang_plugin_support import (
     ORIGINALS,
@@ -17,7 +18,7 @@ from sglang_plugin_support import (
     conn,
     make_decode_manager,
     make_manager,
-    minimax,
+    page_importer,
 )
 from sglang_send_scenarios import SESSION
 
@@ -43,6 +44,7 @@ from gpu_planner.integration.sglang.plugin import (
     UPDATE_STATUS_TARGET,
     WARMUP_TARGET,
 )
+from gpu_planner.integration.sglang.sglang_sources import SOURCE_FINGERPRINTS
 
 PLUGIN_LOGGER = "gpu_planner.integration.sglang.plugin"
 # What registers when the generic send cannot be hooked: everything else, in order, then the
@@ -96,7 +98,7 @@ def test_load_plugins_hooks_both_targets_for_every_importer():
         assert sources == {"gpu_planner"}
     # A module that did `from sglang.srt.mem_cache.common import kv_to_page_indices`
     # before load_plugins() calls the hooked function too.
-    assert minimax.kv_to_page_indices is common.kv_to_page_indices
+    assert page_importer.kv_to_page_indices is common.kv_to_page_indices
 
 
 def test_disable_registers_nothing(fresh_registry, monkeypatch, caplog):
@@ -118,14 +120,32 @@ def test_register_hooks_both_targets(fresh_registry, monkeypatch):
 def test_other_signature_is_left_to_sglang(
     fresh_registry, monkeypatch, caplog, send_signature_changed
 ):
-    """A sglang whose send method has other parameters keeps its own code, logged at INFO."""
+    """A sglang whose send method has other parameters keeps its own code: one WARNING names
+    the sglang version and the target."""
     monkeypatch.delenv("GPU_PLANNER_DISABLE", raising=False)
     with caplog.at_level(logging.INFO, logger=PLUGIN_LOGGER):
         sglang_plugin.register()
     assert list(fresh_registry._hooks) == HOOKS_BUT_GENERIC_SEND
     [record] = [r for r in caplog.records if SEND_TARGET in r.getMessage()]
-    assert record.levelno == logging.INFO
+    assert record.levelno == logging.WARNING
     assert "bootstrap_room" in record.getMessage()
+    assert f"sglang {sglang.__version__} " in record.getMessage()
+
+
+def test_a_target_with_the_same_parameters_and_other_code_is_left_to_sglang(
+    fresh_registry, monkeypatch, caplog
+):
+    """A matching signature is not enough: a slice send whose code is not sglang 0.5.23's
+    (as in sglang 0.5.20) keeps sglang's own code, named in the one WARNING."""
+    monkeypatch.delenv("GPU_PLANNER_DISABLE", raising=False)
+    monkeypatch.setitem(SOURCE_FINGERPRINTS, SLICE_TARGET, "another release's")
+    with caplog.at_level(logging.INFO, logger=PLUGIN_LOGGER):
+        sglang_plugin.register()
+    assert SLICE_TARGET not in fresh_registry._hooks
+    assert SEND_TARGET in fresh_registry._hooks
+    [warning] = [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert f"{SLICE_TARGET} runs other code than sglang 0.5.23's" in warning.getMessage()
+    assert "1 of 14 targets" in warning.getMessage()
 
 
 def test_missing_target_is_left_to_sglang(fresh_registry, monkeypatch, caplog):
@@ -208,7 +228,7 @@ def test_a_staging_hook_that_cannot_register_keeps_its_whole_set_out(
     fresh_registry, monkeypatch, caplog, decode_hooks_flag, skipped
 ):
     """One hook of a receive-staging side that this sglang would not take (a changed
-    signature): none of that side registers, one error names it, it is counted, and the
+    signature): none of that side registers, one WARNING names it, it is counted, and the
     other side and every send hook stay. Without the decode's set, a decode neither
     advertises nor lends."""
     from gpu_planner.integration.sglang import counters
@@ -236,9 +256,10 @@ def test_a_staging_hook_that_cannot_register_keeps_its_whole_set_out(
         [SEND_TARGET, SLICE_TARGET, SWA_SLICE_TARGET, PAGES_TARGET, WARMUP_TARGET]
         + [target for target in STAGING_TARGETS if target not in out]
     )
-    errors = [r for r in caplog.records if r.levelno == logging.ERROR]
-    assert len(errors) == 1 and group in errors[0].getMessage()
-    assert skipped in errors[0].getMessage()
+    [warning] = [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert warning.levelno == logging.WARNING
+    assert f"no {group} hook registers" in warning.getMessage()
+    assert skipped in warning.getMessage()
     assert counters.snapshot()["fallbacks"][key] == before + 1
     decode = make_decode_manager(RegisteringEngine(), [1 << 30], [4096], [256], 4)
     frames = [b"sglang's registration"]
