@@ -145,7 +145,7 @@ def test_a_target_with_the_same_parameters_and_other_code_is_left_to_sglang(
     assert SEND_TARGET in fresh_registry._hooks
     [warning] = [r for r in caplog.records if r.levelno >= logging.WARNING]
     assert f"{SLICE_TARGET} runs other code than sglang 0.5.23's" in warning.getMessage()
-    assert "1 of 14 targets" in warning.getMessage()
+    assert f"1 of {len(sglang_plugin.hook_records())} targets" in warning.getMessage()
 
 
 def test_missing_target_is_left_to_sglang(fresh_registry, monkeypatch, caplog):
