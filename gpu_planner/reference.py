@@ -7,6 +7,7 @@ demo's `--planner reference` compare with.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 from gpu_planner.errors import BoundsError, PlanValidationError
@@ -158,3 +159,58 @@ def _past_buffer(
     return PlanValidationError(
         f"buffer {buffer}: {side} descriptor ends at address {ptr + end}, past 2**63 - 1"
     )
+
+
+def plan_repaged(
+    num_tokens: int,
+    src_pages: Sequence[int],
+    src_page_size: int,
+    dst_pages: Sequence[int],
+    dst_page_size: int,
+    src_ptrs: Sequence[int],
+    dst_ptrs: Sequence[int],
+    src_item_lens: Sequence[int],
+    src_first_token: int = 0,
+    dst_first_token: int = 0,
+    max_batch_tokens: int = 0,
+) -> list[Descriptors]:
+    """Descriptors of a send between two page sizes, walking token by token.
+
+    Token `t` sits at slot `pages[(first + t) // P] * P + (first + t) % P` on
+    each side; a run is a maximal stretch of tokens where both slots step by +1.
+    The tokens sent are `num_tokens` rounded up to the joint page granularity
+    (`gcd` of both page sizes and offsets), as an equal-page send sends whole
+    last pages; batches cut every `max_batch_tokens` tokens (0 = one batch).
+    Bytes per token: each buffer's `src_item_lens` (bytes per prefill page) /
+    `src_page_size`.
+    """
+    granularity = math.gcd(src_page_size, dst_page_size, src_first_token, dst_first_token)
+    sent = -(-num_tokens // granularity) * granularity
+
+    def slot(pages: Sequence[int], page_size: int, first: int, token: int) -> int:
+        position = first + token
+        return int(pages[position // page_size]) * page_size + position % page_size
+
+    batches: list[Descriptors] = []
+    step = max_batch_tokens or max(sent, 1)
+    for start in range(0, sent, step):
+        runs: list[tuple[int, int, int]] = []
+        for token in range(start, min(start + step, sent)):
+            src = slot(src_pages, src_page_size, src_first_token, token)
+            dst = slot(dst_pages, dst_page_size, dst_first_token, token)
+            if runs and src == runs[-1][0] + runs[-1][2] and dst == runs[-1][1] + runs[-1][2]:
+                runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+            else:
+                runs.append((src, dst, 1))
+        srcs: list[int] = []
+        dsts: list[int] = []
+        lens: list[int] = []
+        for src_ptr, dst_ptr, item_len in zip(src_ptrs, dst_ptrs, src_item_lens, strict=True):
+            token_bytes = int(item_len) // src_page_size
+            for src, dst, length in runs:
+                srcs.append(int(src_ptr) + src * token_bytes)
+                dsts.append(int(dst_ptr) + dst * token_bytes)
+                lens.append(length * token_bytes)
+        if srcs:
+            batches.append((srcs, dsts, lens))
+    return batches
