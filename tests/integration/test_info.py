@@ -36,7 +36,7 @@ def test_info_reports_this_environment(capsys):
     assert rows["torch"] == importlib.metadata.version("torch")
     assert rows["Numba"] == importlib.metadata.version("numba")
     assert rows["Mooncake"] == "mooncake-transfer-engine-cuda13 0.3.14"
-    assert rows["plugin"] == "would load"
+    assert rows["plugin"] == "would load, every hook registers"
     assert rows[SEND_TARGET] == rows[PAGES_TARGET] == "hooked"
     assert rows["NumPy array"] == rows["CPU tensor"] == "cpu"
     assert rows["CUDA tensor"].startswith("triton")
