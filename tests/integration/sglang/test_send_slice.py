@@ -82,10 +82,15 @@ def buffer_ptrs(base: int, count: int) -> list[int]:
 
 
 @st.composite
-def tp_config(draw) -> dict:
-    """Heads, TP sizes both ways and a rank pair; per-rank head counts as sglang computes them."""
+def tp_config(draw, lower_prefill_tp: bool = False) -> dict:
+    """Heads, TP sizes both ways (`lower_prefill_tp`: prefill TP below decode TP) and a rank
+    pair; per-rank head counts as sglang computes them."""
     total_heads = draw(st.integers(1, 16))
-    src_tp, dst_tp = draw(st.sampled_from(TP_SIZES)), draw(st.sampled_from(TP_SIZES))
+    if lower_prefill_tp:
+        dst_tp = draw(st.sampled_from(TP_SIZES[1:]))
+        src_tp = draw(st.sampled_from([size for size in TP_SIZES if size < dst_tp]))
+    else:
+        src_tp, dst_tp = draw(st.sampled_from(TP_SIZES)), draw(st.sampled_from(TP_SIZES))
     return {
         "total_heads": total_heads,
         "src_tp": src_tp,
@@ -105,9 +110,9 @@ def pages(draw, num_pages: int) -> np.ndarray:
 
 
 @st.composite
-def kv_slice_scenarios(draw) -> dict:
+def kv_slice_scenarios(draw, lower_prefill_tp: bool = False) -> dict:
     """A `send_kvcache_slice` call and the manager state it reads."""
-    config = draw(tp_config())
+    config = draw(tp_config(lower_prefill_tp))
     page_size, head_len = config["page_size"], config["head_len"]
     src_item_len = page_size * config["src_heads"] * head_len
     dst_item_len = page_size * config["dst_heads"] * head_len
