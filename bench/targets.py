@@ -91,6 +91,7 @@ def _triton_checks(
     triton = result["planners"][TRITON]
     gpu_s = triton["gpu_plan_transfer"]["median"]
     wall_s = triton["plan"]["median"]
+    cpu_wall_s = result["planners"][CPU]["plan"]["median"]
     checks = [
         TargetCheck(
             f"page 64: Triton GPU time < {GPU_PLAN_S * 1e6:g}us",
@@ -101,6 +102,11 @@ def _triton_checks(
             f"page 64: Triton wall time incl. final copy < {GPU_WALL_S * 1e6:g}us",
             wall_s < GPU_WALL_S,
             f"{wall_s * 1e6:.1f}us",
+        ),
+        TargetCheck(
+            "page 64: Triton wall time incl. final copy <= CPU backend's",
+            wall_s <= cpu_wall_s,
+            f"{wall_s * 1e6:.1f}us against {cpu_wall_s * 1e6:.1f}us",
         ),
         TargetCheck(
             "page 64: no host sync before the final copy",

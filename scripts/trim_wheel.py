@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import argparse
 import base64
+import csv
 import fnmatch
 import hashlib
+import io
 import posixpath
 import struct
 import sys
@@ -61,9 +63,9 @@ def elf_closure(members: dict[str, bytes], root: str) -> set[str]:
     return kept
 
 
-def record_line(name: str, data: bytes) -> str:
+def record_row(name: str, data: bytes) -> list[str]:
     digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
-    return f"{name},sha256={digest},{len(data)}"
+    return [name, f"sha256={digest}", str(len(data))]
 
 
 def trim(wheel: Path, out_dir: Path, drops: list[str], closure_root: str | None) -> Path:
@@ -75,12 +77,15 @@ def trim(wheel: Path, out_dir: Path, drops: list[str], closure_root: str | None)
     if closure_root is not None:
         loaded = elf_closure(kept, closure_root)
         kept = {n: d for n, d in kept.items() if not d.startswith(ELF_MAGIC) or n in loaded}
-    lines = [record_line(name, data) for name, data in kept.items() if not name.endswith("/")]
+    rows = io.StringIO()  # CSV: some names hold commas
+    writer = csv.writer(rows, lineterminator="\n")
+    writer.writerows(record_row(n, d) for n, d in kept.items() if not n.endswith("/"))
+    writer.writerow([record, "", ""])
     out = out_dir / wheel.name
     with zipfile.ZipFile(out, "w", zipfile.ZIP_DEFLATED, compresslevel=9) as target:
         for name, data in kept.items():
             target.writestr(name, data)
-        target.writestr(record, "\n".join([*lines, f"{record},,", ""]))
+        target.writestr(record, rows.getvalue())
     return out
 
 
