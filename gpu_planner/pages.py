@@ -14,7 +14,7 @@ from gpu_planner.inputs import Backend, IndexLike, as_index_tensor, check_page_s
 
 
 class PageIndices(NamedTuple):
-    """A request's pages in the host page space and in the device page space (same length)."""
+    """A request's pages in the host page space and in the device page space."""
 
     host: torch.Tensor | np.ndarray
     device: torch.Tensor | np.ndarray
@@ -94,6 +94,9 @@ def page_indices(
     end: int,
     page_size: int,
     backend: Backend | None = None,
+    *,
+    host_range: tuple[int, int] | None = None,
+    host_page_size: int | None = None,
 ) -> PageIndices:
     """Host-space and device-space pages of tokens [start, end) of one request, in one launch.
 
@@ -101,23 +104,30 @@ def page_indices(
     differ: device-space pages come from the request's `req_to_token` row
     (logical pages), host-space pages from its host slot tensor. Each buffer
     must be planned with the space it lives in (`BufferLayout.dst_is_device`).
+    A DeepSeek-V4 HiSparse host space is compressed: its slots cover fewer
+    tokens, in smaller pages (`host_range`, `host_page_size`).
 
     Args:
         req_to_token_row: int32/int64 [>= end] device-space token slots.
-        host_slots: int32/int64 [>= end] host-space token slots, same torch device.
-        start, end: the token range, 0 <= start <= end.
-        page_size: tokens per page (int >= 1).
+        host_slots: int32/int64 host-space token slots, same torch device.
+        start, end: the device space's token range, 0 <= start <= end.
+        page_size: tokens per device page (int >= 1).
         backend: None picks Triton for CUDA tensors, the CPU path otherwise.
+        host_range: the host space's (start, end) (default: `(start, end)`).
+        host_page_size: tokens per host page (default: `page_size`).
 
     Returns:
-        `PageIndices(host, device)`, each [ceil((end - start) / page_size)],
-        dtype and kind of its input.
+        `PageIndices(host, device)`, each `slots[first:last:size] // size` of
+        its space's range and page size (equal lengths when both spaces share
+        them), dtype and kind of its input.
 
     Example:
         >>> gp.page_indices(torch.arange(8), torch.arange(100, 108), 0, 8, 4)
         PageIndices(host=tensor([25, 26]), device=tensor([0, 1]))
     """
     page_size = check_page_size(page_size)
+    host_start, host_end = (start, end) if host_range is None else host_range
+    host_page_size = page_size if host_page_size is None else check_page_size(host_page_size)
     device_slots = as_index_tensor(req_to_token_row, "req_to_token_row")
     host_slot_tensor = as_index_tensor(host_slots, "host_slots")
     if host_slot_tensor.device != device_slots.device:
@@ -125,16 +135,20 @@ def page_indices(
             f"host_slots: is on {host_slot_tensor.device} but req_to_token_row is on "
             f"{device_slots.device}"
         )
-    _check_token_range(start, end, host_slot_tensor, "host_slots")
+    _check_token_range(host_start, host_end, host_slot_tensor, "host_slots")
     _check_token_range(start, end, device_slots, "req_to_token_row")
     if resolve_backend(backend, device_slots.device) == "cpu":
-        step = _slice_step(page_size, end - start)
         host_pages, device_pages = (
-            torch.div(slots[start:end:step], page_size, rounding_mode="floor")
-            for slots in (host_slot_tensor, device_slots)
+            torch.div(
+                slots[first : last : _slice_step(size, last - first)], size, rounding_mode="floor"
+            )
+            for slots, first, last, size in (
+                (host_slot_tensor, host_start, host_end, host_page_size),
+                (device_slots, start, end, page_size),
+            )
         )
     else:
-        from gpu_planner.kernels.page_indices import launch_page_indices
+        from gpu_planner.kernels.page_indices import PageSpan, launch_page_indices
 
         with on_torch_device(device_slots.device):
             host_pages, device_pages = launch_page_indices(
@@ -144,6 +158,7 @@ def page_indices(
                 end,
                 page_size,
                 _launch_target(device_slots.device),
+                PageSpan(host_start, host_end, host_page_size),
             )
     return PageIndices(
         host=_like_input(host_pages, host_slots), device=_like_input(device_pages, req_to_token_row)

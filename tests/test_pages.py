@@ -45,6 +45,51 @@ def test_page_indices_both_spaces(backend_device, request, dtype, strided):
     assert pages.host.dtype == dtype and pages.device.device.type == device.type
 
 
+@st.composite
+def two_space_requests(draw):
+    """A device range and page size, and a host range and page size of their own."""
+    spaces = []
+    for _ in range(2):
+        num_tokens = draw(st.integers(0, 600))
+        start = draw(st.integers(0, num_tokens))
+        end = draw(st.integers(start, num_tokens))
+        spaces.append((num_tokens, start, end, draw(st.sampled_from([1, 2, 4, 16, 64, 256]))))
+    return spaces, draw(st.integers(0, 2**32 - 1))
+
+
+@given(
+    request=two_space_requests(),
+    dtypes=st.sampled_from([(torch.int64, torch.int32), (torch.int32, torch.int64)]),
+)
+def test_page_indices_spaces_of_their_own(backend_device, request, dtypes):
+    """Each space converts its own range with its own page size (HiSparse's compressed host)."""
+    backend, device = backend_device
+    (host_space, device_space), seed = request
+    rng = np.random.default_rng(seed)
+    host_slots, device_slots = (rng.integers(0, 2**30, space[0]) for space in request[0])
+    host = torch.from_numpy(host_slots).to(device, dtypes[0])
+    row = torch.from_numpy(device_slots).to(device, dtypes[1])
+    _, start, end, page_size = device_space
+    _, host_start, host_end, host_page_size = host_space
+    pages = gp.page_indices(
+        row,
+        host,
+        start,
+        end,
+        page_size,
+        backend=backend,
+        host_range=(host_start, host_end),
+        host_page_size=host_page_size,
+    )
+    assert pages.host.cpu().tolist() == expected_pages(
+        host_slots.tolist(), host_start, host_end, host_page_size
+    )
+    assert pages.device.cpu().tolist() == expected_pages(
+        device_slots.tolist(), start, end, page_size
+    )
+    assert (pages.host.dtype, pages.device.dtype) == dtypes
+
+
 @given(num_tokens=st.integers(0, 500), page_size=st.sampled_from([1, 3, 64]))
 def test_kv_to_page_indices(backend_device, num_tokens, page_size):
     backend, device = backend_device
@@ -69,3 +114,10 @@ def test_bad_page_size_is_named(page_size):
 def test_token_range_outside_row_is_named():
     with pytest.raises(gp.PlanValidationError, match=r"token range \[0, 9\).*host_slots"):
         gp.page_indices(torch.arange(16), torch.arange(8), 0, 9, 4)
+
+
+def test_host_range_outside_host_slots_is_named():
+    with pytest.raises(gp.PlanValidationError, match=r"token range \[2, 9\).*host_slots"):
+        gp.page_indices(torch.arange(16), torch.arange(8), 0, 16, 4, host_range=(2, 9))
+    with pytest.raises(gp.PlanValidationError, match="page_size"):
+        gp.page_indices(torch.arange(16), torch.arange(8), 0, 16, 4, host_page_size=0)

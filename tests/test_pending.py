@@ -48,6 +48,23 @@ def test_pending_pages_match_the_definition(backend_device, tokens, page_size, d
     assert pending.computed.device.device.type == device.type
 
 
+@pytest.mark.parametrize("host_dtype", [torch.int32, torch.int64])
+def test_both_spaces_come_back_in_one_copy(host_cuda, host_dtype):
+    """One launch writes both spaces into one allocation; one copy and one wait bring them."""
+    device_slots, host_slots = _request_slots(np.random.default_rng(3), 700)
+    row = torch.from_numpy(device_slots).to(torch.int32)
+    host = torch.from_numpy(host_slots[:175]).to(host_dtype)
+    copies, waits = host_cuda.copies, host_cuda.host_waits
+    pending = gp.page_indices_async(
+        row, host, 0, 700, 64, "triton", host_range=(0, 175), host_page_size=16
+    )
+    pages = pending.numpy()
+    assert (host_cuda.copies - copies, host_cuda.host_waits - waits) == (1, 1)
+    np.testing.assert_array_equal(pages.device, device_slots[::64] // 64)
+    np.testing.assert_array_equal(pages.host, host_slots[:175:16] // 16)
+    assert (pages.host.dtype, pages.device.dtype) == (host.numpy().dtype, np.int32)
+
+
 def test_numpy_input_gives_numpy_pages():
     device_slots, host_slots = _request_slots(np.random.default_rng(1), 100)
     pending = gp.page_indices_async(device_slots, host_slots, 5, 97, 8)
