@@ -17,7 +17,10 @@ import triton.language as tl
 from gpu_planner.kernels.slice_copy import copy_slices, launch_shape, on_device, token_tile
 
 
-@triton.jit(do_not_specialize=["num_tokens", "lane_blocks"])
+@triton.jit(
+    do_not_specialize=["num_tokens", "lane_blocks"],
+    do_not_specialize_on_alignment=["src_pages_ptr", "entries_ptr"],
+)
 def _gather_head_slices_kernel(
     staging_ptr,  # uint8: the staging region; every address is a lane offset from it
     src_pages_ptr,  # int32/int64 [pages]: the source page of each staged page

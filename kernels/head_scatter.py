@@ -20,7 +20,10 @@ import triton.language as tl
 from gpu_planner.kernels.slice_copy import copy_slices, launch_shape, on_device, token_tile
 
 
-@triton.jit(do_not_specialize=["num_tokens", "lane_blocks"])
+@triton.jit(
+    do_not_specialize=["num_tokens", "lane_blocks"],
+    do_not_specialize_on_alignment=["dst_pages_ptr", "dst_device_pages_ptr", "entries_ptr"],
+)
 def _scatter_head_slices_kernel(
     staging_ptr,  # uint8: the staging region; every address is a lane offset from it
     dst_pages_ptr,  # int32/int64 [pages]: host-space destination page of each staged page

@@ -23,8 +23,12 @@ slice. A 16 KiB tile per program (8 such accesses per thread) keeps enough
 bytes in flight to stream at copy bandwidth. Byte lanes are the fallback for
 odd geometries.
 
-Variants: the page dtype, the lane, the page size and the tile shape (from
-the widest slice): all fixed for a server, so its first copy compiles them.
+Variants: the page dtypes, the page size, the copy unit (lane and vector)
+and the tile shape (from the widest slice), and whether the staging pointer
+is 16-byte aligned. Counts are `do_not_specialize` and the page lists and
+entries table `do_not_specialize_on_alignment`, so nothing else can vary: a
+server's KV geometry fixes the set, which `gpu_planner.warmup.warm_up_slice_copies`
+compiles before any request copies (`SliceCopies` says how it is derived).
 """
 
 from __future__ import annotations

@@ -12,9 +12,10 @@ names the sglang version and every target left. Each hook is one
 `register` iterates them and wraps each hook in `fallback.around`.
 Every knob is parsed when `register` runs (an invalid one: no hook at all);
 `GPU_PLANNER_DISABLE=1` turns the plugin off. What the registered hooks run
-is compiled by an AFTER hook on `MooncakeKVManager.__init__`
-(`compile_after_manager_init`): the CPU loops, and with the page hook the
-Triton kernels (`gp.warmup`) on the process's GPU, once sglang selected it.
+is compiled by AFTER hooks on `MooncakeKVManager.__init__`: the CPU loops
+(`compile_after_manager_init`), and the Triton kernels on the process's GPU,
+once sglang selected it (`warm_up_gpu`: the planner's, and the staging's
+gathers and scatters for the manager's KV geometry).
 sglang loads plugins in every process (tokenizer, detokenizer, schedulers) and
 builds the manager only in a scheduler, before it serves a request: the others
 compile nothing (about a second each on a CPU), and no request waits.
@@ -32,7 +33,7 @@ from collections.abc import Callable
 
 from gpu_planner import cpu_backend, head_scatter, head_slices, settings
 from gpu_planner.integration.sglang.counters import record_fallback
-from gpu_planner.integration.sglang.fallback import around, log_fallback_once
+from gpu_planner.integration.sglang.fallback import around, best_effort, log_fallback_once
 from gpu_planner.integration.sglang.sglang_sources import (
     MIRRORED_SGLANG,
     SOURCE_FINGERPRINTS,
@@ -151,6 +152,8 @@ def register() -> None:
     _pending_compiles[:] = [(target, compile) for compile, target in compiles.items()]
     if compiles:
         HookRegistry.register(WARMUP_TARGET, compile_after_manager_init, HookType.AFTER)
+    if any(refusal is None for refusal in refusals.values()):
+        HookRegistry.register(WARMUP_TARGET, warm_up_gpu, HookType.AFTER)  # per manager
 
 
 # What the registered hooks run, still to compile in this process: (target, compile).
@@ -176,18 +179,30 @@ def compile_after_manager_init(result: None, *args: object, **kwargs: object) ->
             log_fallback_once(f"compiling for {target} failed ({error})", "compile")
 
 
-def warm_up_gpu() -> None:
-    """Compile the Triton kernels on this process's GPU, which sglang selected by now.
+def warm_up_gpu(
+    result: None = None, manager: object = None, *args: object, **kwargs: object
+) -> None:
+    """AFTER sglang builds a Mooncake KV manager: compile every Triton kernel variant a request
+    of it can launch, so none compiles inside one.
 
-    A process that never initialised CUDA has no GPU work for the planner and is left alone.
+    The planner's kernels (`gp.warmup`: the page hook's conversion) on this
+    process's GPU, which sglang selected by now, and the head-slice gathers or
+    scatters of `manager`'s staging on its KV's GPU (`staging_warmup`: their
+    variants follow its KV geometry, so each manager's are compiled). A
+    process that never initialised CUDA is left alone; a failure is logged
+    and counted, never raised (a request would compile what is missing).
     """
     import torch
 
-    if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
-        return
-    from gpu_planner import warmup
+    from gpu_planner.integration.sglang.staging_warmup import warm_up_staging
 
-    warmup(torch.device("cuda", torch.cuda.current_device()))
+    with best_effort("compiling the GPU kernels failed", "compile"):
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            from gpu_planner import warmup
+
+            warmup(torch.device("cuda", torch.cuda.current_device()))
+        if manager is not None:
+            warm_up_staging(manager)
 
 
 def hook_records() -> list[HookRecord]:
@@ -254,7 +269,6 @@ def hook_records() -> list[HookRecord]:
             PAGES_TARGET,
             pages.kv_to_page_indices_hook,
             call_parameters(pages.PagesCall, method=False),
-            warm_up_gpu,  # pages convert on the GPU
         ),
         HookRecord(
             REGISTRATION_MESSAGE_TARGET,

@@ -7,9 +7,14 @@ cubin, which catches typing and lowering errors the interpreter lets
 through, into the JIT's own per-device cache. Next the launchers run for
 every page count, buffer count, batch cut, page dtype and view kind of the
 sweep below: a launch whose specialisation key warm-up did not compile
-compiles here, and is counted. A control kernel without `do_not_specialize`
-shows the count does see specialisation. Run with TRITON_INTERPRET unset;
-prints one JSON line.
+compiles here, and is counted. The head-slice gathers and scatters go the
+same way: warm-up compiles what the sglang plugin derives from each server
+geometry of `SERVERS` (`staging_warmup`), then the public gather and scatter
+run every path's layouts (staged whole pages, TP-up head slices, each
+writer's share) over page counts, chunks, page dtypes and views, and the
+staging offsets slots and receive parts take. A control kernel without
+`do_not_specialize` shows the count does see specialisation. Run with
+TRITON_INTERPRET unset; prints one JSON line.
 """
 
 from __future__ import annotations
@@ -19,8 +24,10 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 import triton
 from triton.backends.compiler import GPUTarget
@@ -82,7 +89,7 @@ def script_report(script: Path, *args: str) -> dict:
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
-def _counting_compile(original):
+def counting_compile(original):
     def do_compile(self, key, *args, **kwargs):
         kernel = original(self, key, *args, **kwargs)
         assert kernel.asm["cubin"], f"{self._fn_name}: no cubin"
@@ -149,6 +156,129 @@ def sweep_page_indices() -> int:
     return launches
 
 
+@dataclass(frozen=True)
+class Server:
+    """A server's KV geometry, as its Mooncake KV manager's `kv_args` give it."""
+
+    ptrs: list[int]
+    item_lens: list[int]
+    page_size: int
+    kv_heads: int
+    mla: bool = False
+
+
+def _ptrs(count: int, offset: int = 0) -> list[int]:
+    """Buffer addresses far from any host allocation (the launches read nothing)."""
+    return [(1 << 40) + buffer * (1 << 30) + offset for buffer in range(count)]
+
+
+SERVERS = (
+    Server(_ptrs(8), [16 * 8 * 256] * 8, page_size=16, kv_heads=8),  # MHA: 8 heads of 128 bf16
+    Server(_ptrs(4), [64 * 1152] * 4, page_size=64, kv_heads=1, mla=True),  # MLA: 576 bf16
+    # Odd: 8-byte aligned buffers of two widths, page size 1, 2 heads of 36 bytes (or 20).
+    Server(_ptrs(6, offset=8), [72] * 4 + [40] * 2, page_size=1, kv_heads=2),
+)
+SLICE_PAGE_COUNTS = (1, 3, 17)
+POOL_PAGES = 64  # each buffer's registered pages
+SLOT_BYTES = 8 << 20  # a send slot (a multiple of their 256-byte alignment): 17 pages fit
+
+
+def warm_up_servers() -> int:
+    """What the plugin's warm-up compiles for each server, as a prefill and as a decode."""
+    from gpu_planner.integration.sglang.staging_warmup import decode_copies, prefill_copies
+    from gpu_planner.warmup import warm_up_slice_copies
+
+    launches = 0
+    for server in SERVERS:
+        geometry = (server.ptrs, server.item_lens, server.page_size, server.kv_heads)
+        copies = prefill_copies(*geometry, server.mla) + decode_copies(*geometry)
+        launches += warm_up_slice_copies(CPU, copies)
+    return launches
+
+
+def sweep_gathers(server: Server, slots: torch.Tensor) -> int:
+    """The prefill's gathers into a slot: staged whole pages, and TP-up head slices."""
+    from gpu_planner.head_gather import chunk_layout, gather_head_slices
+    from gpu_planner.head_slices import HeadSliceLayout
+
+    entries = len(server.ptrs)
+    layouts = [  # staged: whole source pages of every buffer, as `staged_send` lays them out
+        HeadSliceLayout.build(
+            src_ptrs=server.ptrs, dst_ptrs=[0] * entries, page_size=1,
+            src_page_lens=server.item_lens, dst_page_lens=server.item_lens,
+            src_token_lens=server.item_lens, dst_token_lens=server.item_lens,
+            src_head_offsets=0, dst_head_offsets=0, slice_lens=server.item_lens,
+        )
+    ]  # fmt: skip
+    token_len = server.item_lens[0] // server.page_size
+    head_len = token_len // server.kv_heads
+    if not server.mla and len(set(server.item_lens)) == 1:
+        for heads, shift in itertools.product(range(1, server.kv_heads + 1), (0, 1)):
+            first = min(shift, server.kv_heads - heads)  # the decode rank's first head
+            layout = HeadSliceLayout.build(
+                src_ptrs=server.ptrs, dst_ptrs=_ptrs(entries, 1 << 29),
+                page_size=server.page_size, src_page_lens=server.item_lens,
+                dst_page_lens=server.page_size * heads * head_len, src_token_lens=token_len,
+                dst_token_lens=heads * head_len, src_head_offsets=first * head_len,
+                dst_head_offsets=0, slice_lens=heads * head_len,
+            )  # fmt: skip
+            # Chunks of whole entries (`gathered.plan_chunks`): all, one, a few.
+            layouts += [chunk_layout(layout, part) for part in (slice(None), [0], [1, 2])]
+    launches = 0
+    for layout, num_pages, dtype, view, slot in itertools.product(
+        layouts, SLICE_PAGE_COUNTS, (torch.int32, torch.int64), range(3), range(2)
+    ):
+        pages = page_views(num_pages, dtype, num_pages)[view]  # pages < 2 * 17 + 3
+        staging = slots[slot * SLOT_BYTES : (slot + 1) * SLOT_BYTES]
+        gather_head_slices(layout, pages, staging, POOL_PAGES * server.item_lens[0], "triton")
+        launches += 1
+    return launches
+
+
+def sweep_scatters(server: Server, region: torch.Tensor) -> int:
+    """The decode's scatters of each writer's chunks, from where its part of a reservation puts
+    them, into host pages and, for HiSparse, device pages too."""
+    from gpu_planner.head_scatter import scatter_head_slices, scatter_layout
+    from gpu_planner.integration.sglang.staging_wire import chunk_offset, writer_part
+
+    page_bytes = sum(server.item_lens)
+    launches = 0
+    for writers in range(1, server.kv_heads + 1):
+        unit = server.page_size * writers
+        if server.kv_heads % writers or any(length % unit for length in server.item_lens):
+            continue
+        for writer, num_pages, start, reservation, hisparse in itertools.product(
+            range(writers), SLICE_PAGE_COUNTS, (0, 1, 5), (0, 256 * 3), (False, True)
+        ):
+            nbytes = (start + num_pages + 2) * page_bytes  # the reservation's pages
+            base = reservation + writer_part(nbytes, writers, writer)[0]
+            base += chunk_offset(page_bytes, writers, start)
+            layout = scatter_layout(
+                server.ptrs, server.item_lens, server.page_size, writers, writer,
+                num_pages=num_pages,
+            )  # fmt: skip
+            pages = np.arange(num_pages, dtype=np.int64) * 2
+            is_device = [hisparse and entry % 2 == 1 for entry in range(len(server.ptrs))]
+            scatter_head_slices(
+                layout, pages, region[base:], POOL_PAGES * max(server.item_lens),
+                dst_device_pages=pages + 1 if hisparse else None, dst_is_device=is_device,
+                backend="triton",
+            )  # fmt: skip
+            launches += 1
+    return launches
+
+
+def sweep_slice_copies() -> int:
+    """Every server's gathers and scatters (CPU tensors stand for the device's: the launches
+    go through Triton's JIT to the stand-in driver, which runs nothing)."""
+    import gpu_planner.kernels
+
+    gpu_planner.kernels.interpreter_enabled = lambda: True  # lets backend="triton" take them
+    slots = torch.empty(2 * SLOT_BYTES, dtype=torch.uint8)
+    region = torch.empty(16 << 20, dtype=torch.uint8)  # the last writer's 17 pages fit
+    return sum(sweep_gathers(server, slots) + sweep_scatters(server, region) for server in SERVERS)
+
+
 def specialising_control() -> int:
     """New compiles of the count kernel, jitted without `do_not_specialize`, over page counts."""
     from gpu_planner.kernels import run_scan
@@ -168,14 +298,14 @@ def specialising_control() -> int:
 
 def main() -> int:
     driver.set_active(Sm90Driver())
-    JITFunction._do_compile = _counting_compile(JITFunction._do_compile)
+    JITFunction._do_compile = counting_compile(JITFunction._do_compile)
     from gpu_planner.warmup import warm_up_kernels
 
-    warmup_launches = warm_up_kernels(CPU)
+    warmup_launches = warm_up_kernels(CPU) + warm_up_servers()
     variants = sorted({name for name, _ in compiled})
     per_kernel = {name: sum(1 for kernel, _ in compiled if kernel == name) for name in variants}
     warmed = len(compiled)
-    plan_launches = sweep_plans() + sweep_page_indices()
+    plan_launches = sweep_plans() + sweep_page_indices() + sweep_slice_copies()
     new_after_warmup = compiled[warmed:]
     control = specialising_control()
     print(

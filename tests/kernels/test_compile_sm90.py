@@ -1,4 +1,4 @@
-"""Every kernel variant lowers to an H200 cubin, and after warm-up no plan compiles anything.
+"""Every kernel variant lowers to an H200 cubin; after warm-up no plan or staged copy compiles.
 
 Runs `aot_compile.py` in a subprocess with the interpreter off (Triton's real
 CUDA pipeline against an sm_90 stand-in driver; no GPU needed).
@@ -18,6 +18,12 @@ EXPECTED_VARIANTS = {
     "_scan_block_counts_kernel": 1,
     "_scatter_runs_kernel": 2 * 2 + 2 * 2 * 2,
     "_expand_descriptors_kernel": 2,  # with or without a device space
+    # aot_compile.SERVERS' gathers, x 2 page dtypes: MHA staged whole pages (MLA's take the
+    # same tile) 1 + TP-up slices of 1..8 heads, 4 tiles; odd staged pages of two widths, 2.
+    "_gather_head_slices_kernel": 2 * (1 + 4 + 2),
+    # Scatters (int64 pages): MHA writers 1, 2, 4, 8: 4; MLA 1; odd writers 1: two widths,
+    # writers 2: two widths at an aligned or 8-byte offset part, 4.
+    "_scatter_head_slices_kernel": 4 + 1 + 2 + 4,
 }
 
 
@@ -34,7 +40,8 @@ def test_warmup_compiles_every_variant_for_sm90(compile_report):
 
 
 def test_no_plan_compiles_after_warmup(compile_report):
-    """Page counts 1..2**20, 1/16/61 buffers, batch cuts, dtypes and views: nothing new."""
+    """Page counts 1..2**20, 1/16/61 buffers, batch cuts, dtypes and views; the gathers and
+    scatters of every staging path, chunk, writer and part offset: nothing new."""
     assert compile_report["swept_launches"] > 1000
     assert compile_report["new_after_warmup"] == []
 
