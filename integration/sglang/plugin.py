@@ -48,6 +48,9 @@ SEND_TARGET = "sglang.srt.disaggregation.mooncake.conn.MooncakeKVManager._send_k
 SLICE_TARGET = "sglang.srt.disaggregation.mooncake.conn.MooncakeKVManager.send_kvcache_slice"
 SWA_SLICE_TARGET = "sglang.srt.disaggregation.mooncake.conn.MooncakeKVManager._send_swa_state_slice"
 PAGES_TARGET = "sglang.srt.mem_cache.common.kv_to_page_indices"
+_DECODE_QUEUE = "sglang.srt.disaggregation.decode.DecodePreallocQueue"
+POP_PREALLOCATED_TARGET = f"{_DECODE_QUEUE}.pop_preallocated"
+PRE_ALLOC_TARGET = f"{_DECODE_QUEUE}._pre_alloc"
 WARMUP_TARGET = "sglang.srt.disaggregation.mooncake.conn.MooncakeKVManager.__init__"
 # Receive staging (`prefill_routes`, `staged_send`: prefill; `receive_staging`: decode).
 _MOONCAKE = "sglang.srt.disaggregation.mooncake.conn"
@@ -65,6 +68,7 @@ STATUS_ENCODE_TARGET = f"{_COMMON}._encode_kv_status_message"
 # Hooks that work only together: one that cannot register keeps the whole set out.
 DECODE_STAGING = "receive staging, decode side"
 PREFILL_STAGING = "receive staging, prefill side"
+TWO_PAGE_SPACES = "HiSparse page spaces in one launch"
 
 Parameters = tuple[tuple[str, object], ...]
 
@@ -210,6 +214,7 @@ def hook_records() -> list[HookRecord]:
     # Imported here: these pull in sglang's Mooncake connector, which only
     # sglang processes (not `import gpu_planner`) should pay for.
     from gpu_planner.integration.sglang import (
+        decode_pages,
         pages,
         prefill_routes,
         receive_staging,
@@ -269,6 +274,27 @@ def hook_records() -> list[HookRecord]:
             PAGES_TARGET,
             pages.kv_to_page_indices_hook,
             call_parameters(pages.PagesCall, method=False),
+            pages.choose_page_path,  # the hook or sglang's own path, timed on this GPU
+        ),
+        HookRecord(
+            POP_PREALLOCATED_TARGET,
+            decode_pages.pop_preallocated_hook,
+            (
+                ("self", empty),
+                ("rids_to_check", None),
+                ("pp_good_rids", None),
+                ("pp_bad_rids", None),
+            ),
+            takes_original=True,
+            group=TWO_PAGE_SPACES,
+        ),
+        HookRecord(
+            PRE_ALLOC_TARGET,
+            decode_pages.pre_alloc_hook,
+            (("self", empty), ("req", empty))
+            + tuple((name, None) for name in ("prefix_indices", "prefix_len", "total_prefix_len")),
+            takes_original=True,
+            group=TWO_PAGE_SPACES,
         ),
         HookRecord(
             REGISTRATION_MESSAGE_TARGET,

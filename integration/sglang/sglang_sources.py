@@ -23,6 +23,7 @@ SUPPORTED_SGLANG = ">=0.5.20,<0.5.24"  # the package's `sglang` extra says the s
 
 _MOONCAKE = "sglang.srt.disaggregation.mooncake.conn.MooncakeKVManager"
 _COMMON = "sglang.srt.disaggregation.common.conn.CommonKVManager"
+_DECODE_QUEUE = "sglang.srt.disaggregation.decode.DecodePreallocQueue"
 
 # Each hooked target: `source_fingerprint` of it in sglang 0.5.23 (a test checks every hook's
 # target against the installed sglang, and prints the line for one missing here).
@@ -31,6 +32,8 @@ SOURCE_FINGERPRINTS = {
     f"{_MOONCAKE}.send_kvcache_slice": "c3ac64e7082bb83e",
     f"{_MOONCAKE}._send_swa_state_slice": "1306cb52d05d78ca",
     "sglang.srt.mem_cache.common.kv_to_page_indices": "ef45d393791bc056",
+    f"{_DECODE_QUEUE}.pop_preallocated": "d1f69a38fecbac20",
+    f"{_DECODE_QUEUE}._pre_alloc": "32d8bf9058b2a7ca",
     f"{_MOONCAKE}.build_receiver_registration_message": "415839a106c37438",
     f"{_MOONCAKE}.build_receiver_metadata_message": "d44a1bf5d89aae74",
     f"{_COMMON}.handle_chunk_ready": "b7c16971b4f1bb18",

@@ -30,6 +30,8 @@ from gpu_planner.integration.sglang.plugin import (
     DECODE_STAGING,
     METADATA_MESSAGE_TARGET,
     PAGES_TARGET,
+    POP_PREALLOCATED_TARGET,
+    PRE_ALLOC_TARGET,
     PREFILL_STAGING,
     PREFILL_STATUS_TARGET,
     RECEIVER_CLEAR_TARGET,
@@ -61,10 +63,12 @@ DECODE_TARGETS = [
 ]
 PREFILL_TARGETS = [REGISTRATION_INFO_TARGET, TRANSFER_INFO_TARGET, STATUS_ENCODE_TARGET]
 STAGING_TARGETS = DECODE_TARGETS + PREFILL_TARGETS
+TWO_SPACE_TARGETS = [POP_PREALLOCATED_TARGET, PRE_ALLOC_TARGET]
 HOOKS_BUT_GENERIC_SEND = [
     SLICE_TARGET,
     SWA_SLICE_TARGET,
     PAGES_TARGET,
+    *TWO_SPACE_TARGETS,
     *STAGING_TARGETS,
     WARMUP_TARGET,
 ]
@@ -113,7 +117,15 @@ def test_register_hooks_both_targets(fresh_registry, monkeypatch):
     monkeypatch.delenv("GPU_PLANNER_DISABLE", raising=False)
     sglang_plugin.register()
     assert sorted(fresh_registry._hooks) == sorted(
-        [SEND_TARGET, SLICE_TARGET, SWA_SLICE_TARGET, PAGES_TARGET, WARMUP_TARGET, *STAGING_TARGETS]
+        [
+            SEND_TARGET,
+            SLICE_TARGET,
+            SWA_SLICE_TARGET,
+            PAGES_TARGET,
+            WARMUP_TARGET,
+            *TWO_SPACE_TARGETS,
+            *STAGING_TARGETS,
+        ]
     )
 
 
@@ -254,6 +266,7 @@ def test_a_staging_hook_that_cannot_register_keeps_its_whole_set_out(
     registered = set(fresh_registry._hooks)
     assert registered == set(
         [SEND_TARGET, SLICE_TARGET, SWA_SLICE_TARGET, PAGES_TARGET, WARMUP_TARGET]
+        + TWO_SPACE_TARGETS
         + [target for target in STAGING_TARGETS if target not in out]
     )
     [warning] = [r for r in caplog.records if r.levelno >= logging.WARNING]

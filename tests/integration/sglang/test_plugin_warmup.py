@@ -16,8 +16,8 @@ from suite_support import ON_CUDA, set_knob
 
 from gpu_planner import cpu_backend, head_scatter, head_slices, settings
 from gpu_planner.integration.sglang import fallback as sglang_fallback
+from gpu_planner.integration.sglang import pages, receive_staging, send_slots, staging_warmup
 from gpu_planner.integration.sglang import plugin as sglang_plugin
-from gpu_planner.integration.sglang import receive_staging, send_slots, staging_warmup
 from gpu_planner.integration.sglang.plugin import (
     WARMUP_TARGET,
     compile_after_manager_init,
@@ -94,7 +94,7 @@ def test_what_the_hooks_run_compiles_once_after_the_kv_manager_is_built(monkeypa
     assert compile_after_manager_init(None, object()) is None  # a second manager: nothing more
     assert sorted(compiled, key=repr) == sorted(
         [cpu_backend.compile_kernels, head_slices.compile_kernels, head_slices.compile_kernels,
-         head_scatter.compile_kernels],
+         head_scatter.compile_kernels, pages.choose_page_path],
         key=repr,
     )  # fmt: skip
 
