@@ -3,8 +3,10 @@
 sglang's `load_plugins()` calls `register` through the `sglang.srt.plugins`
 entry point named `gpu_planner`. It registers AROUND hooks on
 `MooncakeKVManager._send_kvcache_generic`, the head-sliced sends
-(`send_kvcache_slice`, `_send_swa_state_slice`) and `kv_to_page_indices` with
-sglang's `HookRegistry`, after checking that each target still has the
+(`send_kvcache_slice`, `_send_swa_state_slice`), `kv_to_page_indices`, the
+decode's `DecodePreallocQueue.pop_preallocated` and `_pre_alloc` (a HiSparse
+request's two page spaces in one launch, `decode_pages`) and receive staging's
+messages with sglang's `HookRegistry`, after checking that each target still has the
 signature and the code of sglang 0.5.23 that the hooks mirror
 (`sglang_sources`): any other target runs sglang's own code, and one WARNING
 names the sglang version and every target left. Each hook is one
@@ -13,7 +15,8 @@ names the sglang version and every target left. Each hook is one
 Every knob is parsed when `register` runs (an invalid one: no hook at all);
 `GPU_PLANNER_DISABLE=1` turns the plugin off. What the registered hooks run
 is compiled by AFTER hooks on `MooncakeKVManager.__init__`: the CPU loops
-(`compile_after_manager_init`), and the Triton kernels on the process's GPU,
+(`compile_after_manager_init`, which also times the page hook against
+sglang's own path: `pages.choose_page_path`), and the Triton kernels on the process's GPU,
 once sglang selected it (`warm_up_gpu`: the planner's, and the staging's
 gathers and scatters for the manager's KV geometry).
 sglang loads plugins in every process (tokenizer, detokenizer, schedulers) and

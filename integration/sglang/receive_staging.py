@@ -515,6 +515,16 @@ def region_for(manager: Any) -> ReceiveRegion | None:
     return region
 
 
+# Why HiSparse on a GPU gets no region (docs/sglang.md, "HiSparse on a GPU is not staged").
+HOST_AND_GPU_REFUSAL = (
+    "host-backed and GPU KV buffers together (HiSparse on a GPU) are not staged: one region "
+    "on one device would have to be scattered into both, and neither scatter can (a GPU "
+    "kernel writing sglang's host pool is a UVA write over PCIe, impossible where the pool is "
+    "not pinned and verified by nothing here; the CPU loop of a host region cannot write GPU "
+    "buffers); it takes a region per page space, which the staging wire does not carry"
+)
+
+
 def receive_device(kv_args: Any) -> torch.device | str:
     """Where the region goes: the one GPU holding device KV buffers, else host memory."""
     runtime = cuda_runtime()
@@ -523,7 +533,7 @@ def receive_device(kv_args: Any) -> torch.device | str:
     if len(gpus) > 1:
         return f"the KV buffers are on {sorted(map(str, gpus))}, not one GPU"
     if gpus and HOST in devices:
-        return "host-backed and GPU KV buffers together (HiSparse on a GPU) are not staged yet"
+        return HOST_AND_GPU_REFUSAL
     return gpus.pop() if gpus else HOST
 
 

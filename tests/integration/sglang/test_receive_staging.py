@@ -1067,6 +1067,8 @@ def test_kv_on_two_devices_or_host_and_gpu_gets_no_region(decodes, host_cuda, de
             host_cuda.place(tensor, device)
     frames, hooked = decode.advertise()
     assert hooked is frames and decode.region is None and host_cuda.allocations == []
+    why = receive_staging.receive_device(SimpleNamespace(kv_data_ptrs=decode.pool.ptrs))
+    assert (why == receive_staging.HOST_AND_GPU_REFUSAL) == (devices[0] is None)
 
 
 # The prefill's parser hooks
