@@ -165,10 +165,12 @@ EOF
 else
   # 2. The page hook on CUDA rows: HiSparse's two spaces in one launch, byte-identical to
   # sglang's two lists, and the hook's measured choice against sglang's .cpu() path.
-  check pages_hook 60 "${cuda[@]}" "${pytest[@]}" -rA tests/integration/sglang/test_pages_hook.py
+  check pages_hook 60 "${cuda[@]}" "${pytest[@]}" -rA tests/integration/sglang/test_pages_hook.py \
+    tests/integration/sglang/test_decode_pages.py
   # 3. The plugin's CUDA tests (gathers, staging, page conversion) with sglang.
   check sglang_cuda 120 "${cuda[@]}" "${pytest[@]}" tests/integration/sglang -k cuda \
     --ignore=tests/integration/sglang/test_pages_hook.py \
+    --ignore=tests/integration/sglang/test_decode_pages.py \
     --ignore=tests/integration/sglang/test_staged_send_processes.py
   # 4. A staged send between two processes on this GPU through real Mooncake (TCP): device
   # slots and the gather, a device region and the scatter, sglang's bytes, no compile
