@@ -13,6 +13,8 @@ leaves it:
 (c) -1, once an engine call had started, after every task the hook submitted
     has ended (queued ones cancelled): a failed send, as sglang reports one,
     counted and logged once per reason. Never a fallback after a byte moved.
+    Nor for a send sglang's code cannot serve (`SendProgress.refuse_fallback`:
+    a decode of another page size, `page_sizes`): what would fall back is -1.
 
 A `BaseException` that is not an `Exception` (interrupt, exit) propagates.
 What a call started is tracked by its `SendProgress` (`current_send()`):
@@ -62,8 +64,13 @@ class SendProgress:
 
     def __init__(self) -> None:
         self.futures: list[concurrent.futures.Future] = []
+        self.no_fallback: str | None = None  # why sglang's own code cannot run this call
         self._engine_calls = 0
         self._lock = threading.Lock()
+
+    def refuse_fallback(self, why: str) -> None:
+        """sglang's code cannot serve this call (`why`): a fallback becomes a failed send."""
+        self.no_fallback = why
 
     def engine_call_starting(self) -> None:
         """Called (from any thread) right before an engine call: bytes may move from now on."""
@@ -147,12 +154,17 @@ def around(hook: Callable) -> Callable:
         progress.settle()
         if status is not None:
             return status
-        if progress.engine_called:
+        if progress.engine_called or progress.no_fallback:
+            when = (
+                "after its first engine call"
+                if progress.engine_called
+                else f"where sglang's code cannot serve it ({progress.no_fallback})"
+            )
             with contextlib.suppress(Exception):  # a broken metrics folder must not escape
                 record_failure(key)
                 log_once(
                     logging.ERROR,
-                    f"gpu_planner: a send failed after its first engine call ({reason}); "
+                    f"gpu_planner: a send failed {when} ({reason}); "
                     "sglang gets -1, as for any failed transfer",
                     f"failed: {key}",
                     unexpected,

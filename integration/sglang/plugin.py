@@ -68,10 +68,15 @@ RECEIVER_CLEAR_TARGET = "sglang.srt.disaggregation.common.conn.CommonKVReceiver.
 REGISTRATION_INFO_TARGET = f"{_MOONCAKE}.KVArgsRegisterInfo.from_zmq"
 TRANSFER_INFO_TARGET = f"{_MOONCAKE}.TransferInfo.from_zmq"
 STATUS_ENCODE_TARGET = f"{_COMMON}._encode_kv_status_message"
+# Different page sizes (`page_sizes`), besides the wire hooks above.
+PARALLEL_INFO_TARGET = f"{_COMMON}.try_ensure_parallel_info"
+PREFILL_INFO_TARGET = "sglang.srt.disaggregation.common.conn.PrefillServerInfo.__post_init__"
+SEND_METADATA_TARGET = "sglang.srt.disaggregation.common.conn.CommonKVReceiver.send_metadata"
 # Hooks that work only together: one that cannot register keeps the whole set out.
 DECODE_STAGING = "receive staging, decode side"
 PREFILL_STAGING = "receive staging, prefill side"
 TWO_PAGE_SPACES = "HiSparse page spaces in one launch"
+DECODE_PAGE_SIZES = "other page sizes, decode side"
 
 Parameters = tuple[tuple[str, object], ...]
 
@@ -138,13 +143,16 @@ def register() -> None:
             f"sglang's Mooncake connector does not import ({error})", key="no mooncake connector"
         )
         return
-    from gpu_planner.integration.sglang import receive_staging
+    from gpu_planner.integration.sglang import page_sizes, receive_staging
 
     refusals = why_not_registered(records)
     groups_out = {r.group for r in records if r.group is not None and refusals[r.target]}
     for group in sorted(groups_out):
         record_fallback(f"hooks not registered: {group}")
     receive_staging.decode_hooks_registered(DECODE_STAGING not in groups_out)
+    page_sizes.decode_hooks_registered(not {DECODE_STAGING, DECODE_PAGE_SIZES} & groups_out)
+    prefill_sends = refusals[SEND_TARGET] is None and refusals[SLICE_TARGET] is None
+    page_sizes.PREFILL.hooks_registered(PREFILL_STAGING not in groups_out and prefill_sends)
     left = left_to_sglang(records, refusals)
     if left:
         logger.warning("gpu_planner: %s", left)
@@ -161,6 +169,7 @@ def register() -> None:
         HookRegistry.register(WARMUP_TARGET, compile_after_manager_init, HookType.AFTER)
     if any(refusal is None for refusal in refusals.values()):
         HookRegistry.register(WARMUP_TARGET, warm_up_gpu, HookType.AFTER)  # per manager
+        HookRegistry.register(WARMUP_TARGET, page_sizes.manager_built_hook, HookType.AFTER)
 
 
 # What the registered hooks run, still to compile in this process: (target, compile).
@@ -216,8 +225,11 @@ def hook_records() -> list[HookRecord]:
     """Every hook, in registration order. ImportError without sglang's Mooncake connector."""
     # Imported here: these pull in sglang's Mooncake connector, which only
     # sglang processes (not `import gpu_planner`) should pay for.
+    from sglang.srt.disaggregation.common.conn import KVTransferDestination
+
     from gpu_planner.integration.sglang import (
         decode_pages,
+        page_sizes,
         pages,
         prefill_routes,
         receive_staging,
@@ -369,6 +381,35 @@ def hook_records() -> list[HookRecord]:
             encode_parameters,
             takes_original=True,
             group=PREFILL_STAGING,
+        ),
+        HookRecord(
+            PARALLEL_INFO_TARGET,
+            page_sizes.parallel_info_hook,
+            (("self", empty), ("bootstrap_addr", empty)),
+            takes_original=True,
+            group=DECODE_PAGE_SIZES,
+        ),
+        HookRecord(
+            PREFILL_INFO_TARGET,
+            page_sizes.prefill_info_hook,
+            (("self", empty),),
+            takes_original=True,
+            group=DECODE_PAGE_SIZES,
+        ),
+        HookRecord(
+            SEND_METADATA_TARGET,
+            page_sizes.send_metadata_hook,
+            (
+                ("self", empty),
+                ("kv_indices", empty),
+                ("aux_index", None),
+                ("state_indices", None),
+                ("decode_prefix_len", None),
+                ("destination", KVTransferDestination.DEVICE),
+                ("device_kv_indices", None),
+            ),
+            takes_original=True,
+            group=DECODE_PAGE_SIZES,
         ),
     ]
 

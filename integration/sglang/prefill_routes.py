@@ -28,6 +28,12 @@ from typing import Any
 import numpy as np
 
 from gpu_planner.integration.sglang.fallback import best_effort
+from gpu_planner.integration.sglang.page_size_wire import (
+    planned_frames,
+    registered_page_size,
+    repaged_pages,
+)
+from gpu_planner.integration.sglang.page_sizes import PREFILL
 from gpu_planner.integration.sglang.staging_wire import (
     KV_POLL_SUCCESS,
     Capability,
@@ -133,8 +139,13 @@ ROUTES = StagingRoutes()
 
 
 def registration_info_hook(original: Any, cls: Any, msg: Any, *args: Any, **kwargs: Any) -> Any:
-    """sglang's parse of a decode's registration; keeps the receive staging it advertised."""
+    """sglang's parse of a decode's registration; keeps the receive staging it advertised and
+    the page size it declared."""
     info = original(cls, msg, *args, **kwargs)
+    page_size = None
+    with best_effort("a decode's page size was ignored", "page size ignored"):
+        page_size = registered_page_size(msg)
+    PREFILL.registered(getattr(info, "mooncake_session_id", None), page_size)
     capability = None
     with best_effort(
         "a decode's receive-staging advertisement was ignored", "staging advertisement ignored"
@@ -176,8 +187,16 @@ def _advertised(msg: Any, info: Any) -> Capability | None:
 
 
 def transfer_info_hook(original: Any, cls: Any, msg: Any, *args: Any, **kwargs: Any) -> Any:
-    """sglang's parse of a request's metadata; keeps the part of the region lent to it."""
+    """sglang's parse of a request's metadata; a request for another page size gets virtual
+    pages (`page_sizes`), any other keeps the part of the region lent to it."""
     info = original(cls, msg, *args, **kwargs)
+    # Unserved (no hook, a malformed frame): the request keeps sglang's empty page list, no
+    # KV goes, and the decode fails it when this rank's Success declares no plan.
+    with best_effort("a request for another page size was not served", "repaged not served"):
+        decode_pages = None if info.is_dummy else repaged_pages(msg)
+        if decode_pages is not None:
+            PREFILL.repage(info, decode_pages)
+            return info
     with best_effort(
         "a decode's receive-staging reservation was ignored", "staging reservation ignored"
     ):
@@ -197,15 +216,21 @@ def transfer_info_hook(original: Any, cls: Any, msg: Any, *args: Any, **kwargs: 
 
 
 def status_message_hook(original: Any, manager: Any, *args: Any, **kwargs: Any) -> Any:
-    """sglang's status message; a Success declares the notes sent for each lent request."""
+    """sglang's status message; a Success declares the notes sent for each lent request and
+    what was planned for each decode of another page size."""
     parts = original(manager, *args, **kwargs)
-    # Nothing declared on an error: a decode that got notes fails the request.
-    with best_effort("a status declared no staged notes", "not declared"):
+    # Nothing declared on an error: a decode that got notes, or has another page size,
+    # fails the request.
+    with best_effort("a status declared nothing", "not declared"):
         if int(kwargs.get("status", -1)) != KV_POLL_SUCCESS or args:
             return parts
-        declared = ROUTES.declarations(manager, kwargs["bootstrap_room"])
-        if not declared:
+        room = kwargs["bootstrap_room"]
+        declared, planned = ROUTES.declarations(manager, room), PREFILL.declarations(manager, room)
+        added = (declared_frames(declared) if declared else []) + (
+            planned_frames(planned) if planned else []
+        )
+        if not added:
             return parts
         reason = [] if manager.kv_status_msg_carries_reason else [b""]  # sglang reads frame 3
-        return [*parts, *reason, *declared_frames(declared)]
+        return [*parts, *reason, *added]
     return parts

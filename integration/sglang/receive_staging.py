@@ -59,8 +59,10 @@ from gpu_planner.head_scatter import scatter_head_slices, scatter_layout
 from gpu_planner.head_slices import HeadSliceLayout
 from gpu_planner.inputs import HOST
 from gpu_planner.integration.mooncake.engine import stalled_write_s
+from gpu_planner.integration.sglang import page_sizes
 from gpu_planner.integration.sglang.counters import record_receive_fallback, record_scatter
 from gpu_planner.integration.sglang.fallback import best_effort, log_fallback_once
+from gpu_planner.integration.sglang.page_size_wire import page_size_frames
 from gpu_planner.integration.sglang.registered_region import (
     PerManager,
     RegisteredRegion,
@@ -577,17 +579,28 @@ def _is_decode(manager: Any) -> bool:
 
 
 def registration_message_hook(original: Any, manager: Any, *args: Any, **kwargs: Any) -> Any:
-    """sglang's KV registration, with this decode's receive staging advertised."""
+    """sglang's KV registration, with this decode's page size and receive staging advertised."""
     frames = original(manager, *args, **kwargs)
+    if not _is_decode(manager):
+        return frames
+    added: list[bytes] = []
+    with best_effort("page size not declared", "page size not declared"):
+        if isinstance(page_sizes.DECODES.get(manager), page_sizes.DecodePageSizes):
+            added += page_size_frames(int(manager.kv_args.page_size))
     with best_effort("receive staging not advertised", "no receive staging"):
-        region = region_for(manager) if _is_decode(manager) else None
+        region = region_for(manager)
         if region is not None:
-            return [*frames, *region.capability.frames()]
-    return frames  # nothing advertised: prefills send as today
+            added += region.capability.frames()
+    return [*frames, *added] if added else frames  # nothing added: prefills send as today
 
 
 def metadata_message_hook(original: Any, manager: Any, *args: Any, **kwargs: Any) -> Any:
-    """sglang's per-request metadata, with a part of the region lent to the request."""
+    """sglang's per-request metadata: toward a prefill of another page size, its pages in
+    gpu_planner's frame only (`page_sizes`); else with a part of the region lent to it."""
+    if _is_decode(manager) and not args:
+        repaged = page_sizes.metadata_frames(original, manager, kwargs)
+        if repaged is not None:
+            return repaged  # never staged: the staged chunks are in the decode's pages
     frames = original(manager, *args, **kwargs)
     with best_effort("no receive staging lent", "receive staging not lent"):
         region = REGIONS.existing(manager) if _is_decode(manager) and not args else None
@@ -629,6 +642,7 @@ def status_message_hook(original: Any, manager: Any, msg: Any, *args: Any, **kwa
     if parsed is None:
         return parsed
     with best_effort("a status declaration was dropped", "staged books"):
+        page_sizes.declared_toward(manager, msg, parsed[0], parsed[2])
         region = REGIONS.existing(manager)
         if region is not None:
             try:
@@ -640,35 +654,53 @@ def status_message_hook(original: Any, manager: Any, msg: Any, *args: Any, **kwa
 
 
 def prefill_status_hook(original: Any, manager: Any, *args: Any, **kwargs: Any) -> Any:
-    """sglang's status handling, after this room's scatters completed (or failed it)."""
+    """sglang's status handling, after this room's scatters completed and its chunks were all
+    planned for this decode's page size (or failed it)."""
     region = REGIONS.existing(manager) if not args else None
+    repaged = page_sizes.DECODES.existing(manager) if not args else None
     room = kwargs.get("bootstrap_room")
-    if region is not None and room is not None:
+    if (region is not None or repaged is not None) and room is not None:
+        status, rank = kwargs.get("status"), kwargs.get("prefill_rank")
+        expected = 1
         with best_effort(BOOKKEEPING_FAILED, "staged books"):
             expected = manager.required_prefill_response_num_table.get(room, 1)
-            region.on_prefill_status(room, kwargs["prefill_rank"], kwargs["status"], expected)
-        try:
-            refusal = region.refusal(room, kwargs.get("status"), kwargs.get("prefill_rank"))
-        except Exception as error:  # a scatter that cannot be waited for did not land
-            refusal = f"gpu_planner: a scatter failed ({error})"
+        refusals = []
+        if repaged is not None:
+            try:
+                refusals.append(repaged.refusal(room, status, rank, expected))
+            except Exception as error:  # a check that cannot finish admits nothing
+                refusals.append(f"gpu_planner: the page-size check failed ({error})")
+        if region is not None:
+            with best_effort(BOOKKEEPING_FAILED, "staged books"):
+                region.on_prefill_status(room, rank, status, expected)
+            try:
+                refusals.append(region.refusal(room, status, rank))
+            except Exception as error:  # a scatter that cannot be waited for did not land
+                refusals.append(f"gpu_planner: a scatter failed ({error})")
+        refusal = next((why for why in refusals if why is not None), None)
         if refusal is not None:
             kwargs = {**kwargs, "status": KV_POLL_FAILED, "failure_reason": refusal}
     result = original(manager, *args, **kwargs)
-    if region is not None and room is not None:
+    if room is not None:
         with best_effort(BOOKKEEPING_FAILED, "staged books"):
-            region.after_status(manager.request_status, room)
+            if region is not None:
+                region.after_status(manager.request_status, room)
+            if repaged is not None:
+                repaged.after_status(manager.request_status, room)
     return result
 
 
 def update_status_hook(original: Any, manager: Any, *args: Any, **kwargs: Any) -> Any:
-    """sglang's room status update; a Failed room, or one opened anew, ends its lending.
+    """sglang's room status update; a Failed room, or one opened anew, ends its lending and
+    its page-size record.
 
     Every way sglang fails a request (a failed transfer, an abort, the
     waiting timeout) sets Failed here; a new request of a room sglang
     cleared opens it here again.
     """
     region = REGIONS.existing(manager)
-    if region is None:
+    repaged = page_sizes.DECODES.existing(manager)
+    if region is None and repaged is None:
         return original(manager, *args, **kwargs)
     try:
         room, status = _room_and_status(args, kwargs)
@@ -678,19 +710,22 @@ def update_status_hook(original: Any, manager: Any, *args: Any, **kwargs: Any) -
     result = original(manager, *args, **kwargs)
     with best_effort(BOOKKEEPING_FAILED, "staged books"):
         if opened or int(status) == KV_POLL_FAILED:
-            region.end(room)
+            for ended in (region, repaged):
+                if ended is not None:
+                    ended.end(room)
     return result
 
 
 def receiver_clear_hook(original: Any, receiver: Any, *args: Any, **kwargs: Any) -> Any:
-    """sglang's receiver clean-up; a room it forgot ends its lending."""
+    """sglang's receiver clean-up; a room it forgot ends its lending and page-size record."""
     result = original(receiver, *args, **kwargs)
     with best_effort(BOOKKEEPING_FAILED, "staged books"):
         manager = receiver.kv_mgr
-        region = REGIONS.existing(manager)
         room = receiver.bootstrap_room
-        if region is not None and room not in manager.request_status:
-            region.end(room)
+        if room not in manager.request_status:
+            for ended in (REGIONS.existing(manager), page_sizes.DECODES.existing(manager)):
+                if ended is not None:
+                    ended.end(room)
     return result
 
 

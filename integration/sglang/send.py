@@ -14,6 +14,7 @@ hook makes the same calls in the same order from the executor's threads
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import numpy as np
@@ -27,6 +28,7 @@ from gpu_planner.integration.sglang.counters import record_send
 from gpu_planner.integration.sglang.entries import Entries, Entry, SendCall, transfer_entries
 from gpu_planner.integration.sglang.fallback import Fallback, current_send
 from gpu_planner.integration.sglang.layer_calls import submit_in_order
+from gpu_planner.integration.sglang.page_sizes import PREFILL, RepagedRoute, UnitSend, unit_send
 from gpu_planner.integration.sglang.path_cost import DIRECT, STAGED
 from gpu_planner.integration.sglang.send_path import generic_path, observe, send_staged
 from gpu_planner.integration.sglang.staged_send import StagedEntries
@@ -39,8 +41,14 @@ def send_kvcache_generic_hook(manager: conn.MooncakeKVManager, *args, **kwargs) 
     """Plan sglang's KV send with gpu_planner; same engine calls and status as sglang's."""
     call = SendCall(*args, **kwargs)
     check_manager(manager, KV_FIELDS)
+    repaged = PREFILL.chunk_for(call.dst_data_indices)
+    if repaged is not None:
+        current_send().refuse_fallback("its destination pages are in another page size")
+        route, chunk, call = _repaged_call(manager, call, *repaged)
     _check_supported(call)
     entries = transfer_entries(manager, call)
+    if repaged is not None:
+        _check_token_bytes(manager, call, entries, route, chunk.unit)
     started = time.perf_counter()
     try:
         planned = _plan(manager, call, entries)
@@ -83,7 +91,74 @@ def send_kvcache_generic_hook(manager: conn.MooncakeKVManager, *args, **kwargs) 
     status = _send_direct(manager, call, plan, engine_handoff)
     if status == 0:
         observe(session, DIRECT, num_descriptors, nbytes, time.perf_counter() - direct_started)
+        if repaged is not None:
+            PREFILL.planned(route, chunk.first, chunk.end)
     return status
+
+
+def _repaged_call(
+    manager: conn.MooncakeKVManager, call: SendCall, route: RepagedRoute, position: int
+) -> tuple[RepagedRoute, UnitSend, SendCall]:
+    """A chunk toward a decode of another page size as the send of both sides' unit pages
+    (`page_sizes.unit_send`), each buffer's item length that of a unit page."""
+    page_size = int(manager.kv_args.page_size)
+    src_pages = call.prefill_data_indices
+    if not (isinstance(src_pages, np.ndarray) and src_pages.ndim == 1):
+        raise Fallback("page indices are not 1-D NumPy arrays")
+    try:
+        chunk = unit_send(route, position, src_pages, page_size)
+        item_lens = [
+            _unit_len(length, page_size, chunk.unit, "item_lens") for length in call.item_lens
+        ]
+        dst_item_lens = call.dst_item_lens and [
+            _unit_len(length, route.decode_page_size, chunk.unit, "dst_item_lens")
+            for length in call.dst_item_lens
+        ]
+    except gp.PlanValidationError as error:
+        raise Fallback(f"a send to another page size cannot be planned ({error})") from None
+    repaged = dataclasses.replace(
+        call,
+        prefill_data_indices=chunk.src_pages,
+        dst_data_indices=chunk.dst_pages,
+        item_lens=item_lens,
+        dst_item_lens=dst_item_lens,
+    )
+    return route, chunk, repaged
+
+
+def _unit_len(length: int, page_size: int, unit: int, field: str) -> int:
+    if length <= 0 or length % page_size:
+        raise gp.PlanValidationError(
+            f"{field}: {length} bytes are not whole tokens of a page of {page_size}"
+        )
+    return length // page_size * unit
+
+
+def _check_token_bytes(
+    manager: conn.MooncakeKVManager,
+    call: SendCall,
+    entries: Entries,
+    route: RepagedRoute,
+    unit: int,
+) -> None:
+    """Each entry's bytes per token are its decode buffer's (the decode's registration says them
+    per page of its size); `Fallback` naming the buffer and both page sizes otherwise."""
+    registration = manager.decode_kv_args_table[call.mooncake_session_id]
+    dst_lens = list(registration.dst_kv_item_lens) or [registration.dst_kv_item_len] * len(
+        registration.dst_kv_ptrs
+    )
+    token_bytes = {
+        int(ptr): int(length) / route.decode_page_size
+        for ptr, length in zip(registration.dst_kv_ptrs, dst_lens, strict=False)
+    }
+    for src_ptr, dst_ptr, unit_len in entries.entries:
+        if token_bytes.get(int(dst_ptr)) != unit_len / unit:
+            raise Fallback(
+                f"the buffer at {src_ptr:#x} holds {unit_len // unit} bytes per token on the "
+                f"prefill (page size {manager.kv_args.page_size}), the decode's at {dst_ptr:#x} "
+                f"{token_bytes.get(int(dst_ptr))} (page size {route.decode_page_size})",
+                key="page sizes: bytes per token differ",
+            )
 
 
 def _send_direct(

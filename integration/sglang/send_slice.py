@@ -43,6 +43,7 @@ from gpu_planner.integration.sglang.adapter import check_manager, sglang_handoff
 from gpu_planner.integration.sglang.counters import record_send
 from gpu_planner.integration.sglang.fallback import Failed, Fallback, current_send
 from gpu_planner.integration.sglang.layer_calls import submit_in_order
+from gpu_planner.integration.sglang.page_sizes import PREFILL
 
 # What the hooks read of `kv_args`: the KV (or SWA state) buffers and their registered lengths.
 KV_FIELDS = ("kv_data_ptrs", "kv_data_lens", "kv_item_lens")
@@ -94,6 +95,9 @@ def send_kvcache_slice_hook(manager: conn.MooncakeKVManager, *args, **kwargs) ->
     """sglang's head-sliced KV send, descriptors built compiled; same calls and status."""
     call = SliceCall(*args, **kwargs)
     check_manager(manager, KV_FIELDS)
+    if PREFILL.chunk_for(call.dst_kv_indices) is not None:  # a decode refuses this pair
+        current_send().refuse_fallback("its destination pages are in another page size")
+        raise Fallback("head-sliced sends between page sizes are not served", key="repaged slice")
     kv_args = manager.kv_args
     # sglang's own decisions, in its order (its exceptions surface as they would).
     src_kv_item_len = kv_args.kv_item_lens[0]

@@ -44,6 +44,9 @@ SOURCE_FINGERPRINTS = {
     "sglang.srt.disaggregation.mooncake.conn.KVArgsRegisterInfo.from_zmq": "923bef0fc9cb1b5a",
     "sglang.srt.disaggregation.mooncake.conn.TransferInfo.from_zmq": "1252c7a972a61905",
     f"{_COMMON}._encode_kv_status_message": "e41c906f0b074128",
+    f"{_COMMON}.try_ensure_parallel_info": "d054ad782d81cbe2",
+    "sglang.srt.disaggregation.common.conn.PrefillServerInfo.__post_init__": "42d76659d590213d",
+    "sglang.srt.disaggregation.common.conn.CommonKVReceiver.send_metadata": "dc8fdcf38e635f65",
 }
 
 

@@ -68,7 +68,7 @@ KV_POLL_FAILED, KV_POLL_SUCCESS = 0, 4  # sglang's KVPoll values, as its status 
 MAX_DECLARED = 1 << 10  # reservations one status declares: one per decode rank it concludes
 
 
-def _tag_position(frames: list[bytes], first: int, tag: bytes) -> int | None:
+def tag_position(frames: list[bytes], first: int, tag: bytes) -> int | None:
     """Where `tag` stands among `frames[first:]`, None when absent; `FrameError` when it
     stands twice or the frames are not bytes."""
     if not isinstance(frames, list) or not all(isinstance(frame, bytes) for frame in frames):
@@ -79,12 +79,12 @@ def _tag_position(frames: list[bytes], first: int, tag: bytes) -> int | None:
     return positions[0] if positions else None
 
 
-def _tagged_frame(frames: list[bytes], first: int, tag: bytes) -> bytes | None:
+def tagged_frame(frames: list[bytes], first: int, tag: bytes) -> bytes | None:
     """The frame after `tag` among `frames[first:]`, None when `tag` is absent.
 
     `FrameError` when the tag appears twice or has nothing after it.
     """
-    position = _tag_position(frames, first, tag)
+    position = tag_position(frames, first, tag)
     if position is None:
         return None
     if position + 1 >= len(frames):
@@ -122,7 +122,7 @@ class Capability:
     @classmethod
     def from_registration(cls, frames: list[bytes]) -> Capability | None:
         """The capability a registration carries; None for a plain sglang decode."""
-        frame = _tagged_frame(frames, SGLANG_REGISTRATION_FRAMES, CAPABILITY_TAG)
+        frame = tagged_frame(frames, SGLANG_REGISTRATION_FRAMES, CAPABILITY_TAG)
         if frame is None:
             return None
         return cls(*_u64s(frame, 2, "receive staging region"))
@@ -145,7 +145,7 @@ class Reservation:
     @classmethod
     def from_metadata(cls, frames: list[bytes], region: Capability) -> Reservation | None:
         """The reservation a request's metadata carries, checked to lie inside `region`."""
-        frame = _tagged_frame(frames, SGLANG_METADATA_FRAMES, RESERVATION_TAG)
+        frame = tagged_frame(frames, SGLANG_METADATA_FRAMES, RESERVATION_TAG)
         if frame is None:
             return None
         reservation = cls(*_u64s(frame, 4, "reservation"))
@@ -264,7 +264,7 @@ def declared_notes(status_frames: list[bytes], session: str) -> dict[int, int] |
     None for a status without a declaration (a plain sglang prefill); {} when
     it declares nothing toward this decode; `FrameError` when malformed.
     """
-    position = _tag_position(status_frames, SGLANG_STATUS_FRAMES - 1, DECLARED_TAG)
+    position = tag_position(status_frames, SGLANG_STATUS_FRAMES - 1, DECLARED_TAG)
     if position is None:
         return None
     if position + 2 >= len(status_frames):

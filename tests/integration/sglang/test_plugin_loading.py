@@ -24,19 +24,23 @@ from sglang_send_scenarios import SESSION
 
 from gpu_planner.integration.sglang import fallback as sglang_fallback
 from gpu_planner.integration.sglang import plugin as sglang_plugin
-from gpu_planner.integration.sglang import receive_staging
+from gpu_planner.integration.sglang import page_sizes, receive_staging
 from gpu_planner.integration.sglang.plugin import (
     CHUNK_READY_TARGET,
+    DECODE_PAGE_SIZES,
     DECODE_STAGING,
     METADATA_MESSAGE_TARGET,
+    PARALLEL_INFO_TARGET,
     PAGES_TARGET,
     POP_PREALLOCATED_TARGET,
     PRE_ALLOC_TARGET,
+    PREFILL_INFO_TARGET,
     PREFILL_STAGING,
     PREFILL_STATUS_TARGET,
     RECEIVER_CLEAR_TARGET,
     REGISTRATION_INFO_TARGET,
     REGISTRATION_MESSAGE_TARGET,
+    SEND_METADATA_TARGET,
     SEND_TARGET,
     SLICE_TARGET,
     STATUS_ENCODE_TARGET,
@@ -46,6 +50,7 @@ from gpu_planner.integration.sglang.plugin import (
     UPDATE_STATUS_TARGET,
     WARMUP_TARGET,
 )
+from gpu_planner.integration.sglang.page_size_wire import PAGE_SIZE_TAG
 from gpu_planner.integration.sglang.sglang_sources import SOURCE_FINGERPRINTS
 
 PLUGIN_LOGGER = "gpu_planner.integration.sglang.plugin"
@@ -62,7 +67,9 @@ DECODE_TARGETS = [
     RECEIVER_CLEAR_TARGET,
 ]
 PREFILL_TARGETS = [REGISTRATION_INFO_TARGET, TRANSFER_INFO_TARGET, STATUS_ENCODE_TARGET]
-STAGING_TARGETS = DECODE_TARGETS + PREFILL_TARGETS
+# Other page sizes, decode side (with the decode's wire hooks above).
+PAGE_SIZE_TARGETS = [PARALLEL_INFO_TARGET, PREFILL_INFO_TARGET, SEND_METADATA_TARGET]
+STAGING_TARGETS = DECODE_TARGETS + PREFILL_TARGETS + PAGE_SIZE_TARGETS
 TWO_SPACE_TARGETS = [POP_PREALLOCATED_TARGET, PRE_ALLOC_TARGET]
 HOOKS_BUT_GENERIC_SEND = [
     SLICE_TARGET,
@@ -230,9 +237,11 @@ class RegisteringEngine:
 
 @pytest.fixture
 def decode_hooks_flag():
-    """`receive_staging`'s record of the decode hook set, restored after the test."""
+    """`receive_staging`'s and `page_sizes`' records of the hook sets, restored after the test."""
     yield
     receive_staging.decode_hooks_registered(True)
+    page_sizes.decode_hooks_registered(True)
+    page_sizes.PREFILL.hooks_registered(True)
 
 
 @pytest.mark.parametrize("skipped", STAGING_TARGETS)
@@ -257,6 +266,8 @@ def test_a_staging_hook_that_cannot_register_keeps_its_whole_set_out(
     group, out = (
         (DECODE_STAGING, DECODE_TARGETS)
         if skipped in DECODE_TARGETS
+        else (DECODE_PAGE_SIZES, PAGE_SIZE_TARGETS)
+        if skipped in PAGE_SIZE_TARGETS
         else (PREFILL_STAGING, PREFILL_TARGETS)
     )
     key = f"hooks not registered: {group}"
@@ -278,4 +289,6 @@ def test_a_staging_hook_that_cannot_register_keeps_its_whole_set_out(
     frames = [b"sglang's registration"]
     hooked = receive_staging.registration_message_hook(lambda _: frames, decode)
     assert (hooked is frames) == (group == DECODE_STAGING)  # advertised only with every hook
+    # The decode serves other page sizes (and says its own) only with both decode sets.
+    assert (PAGE_SIZE_TAG in hooked) == (group == PREFILL_STAGING)
     receive_staging.REGIONS.release(decode)

@@ -1,0 +1,509 @@
+"""A plugin prefill and a plugin decode with different page sizes: connected, planned, checked.
+
+sglang 0.5.23 refuses the pair when the decode fetches the prefill's info
+(`CommonKVManager.try_ensure_parallel_info`), and its prefill could not serve
+it anyway: the transfer worker cuts the decode's page list by the prefill's
+page count and addresses both sides by one page index. Here:
+
+Decode (`DecodePageSizes`, per manager):
+- `parallel_info_hook` lets the pair connect where this decode can be served
+  (`why_unserved`: plain KV, or state kept per request); anything else keeps
+  sglang's refusal, and its error says why.
+- Each request's metadata toward a prefill of another page size carries its
+  pages in gpu_planner's `Repaged` frame, and none where sglang reads them:
+  a plain sglang prefill writes no KV of it (`metadata_frames`).
+- A prefill rank's Success counts only if it declares (`Planned`) that it
+  planned for this decode's page size, and its chunks covered every sent
+  token once, in order, up to the request's last page (`refusal`); anything
+  else turns it into Failed, naming both page sizes.
+
+Prefill (`PrefillPageSizes`, one per process: sglang's parsers see no manager):
+- the decode's page size comes with its registration; a `Repaged` request
+  gets `virtual_pages` in place of its (empty) destination pages: one per
+  prefill page position, so that sglang's chunking by prefill pages cuts
+  them exactly, with values past any registered buffer;
+- the send hooks resolve a chunk's slice of them (`chunk_for`) into the
+  decode's pages (`unit_send`: both sides as pages of `gcd` tokens,
+  `gpu_planner.page_geometry`), plan it as any send, and record the tokens
+  it covered, which the rank's Success declares. sglang's own code never
+  gets a virtual page: a send the hooks cannot plan fails (-1).
+
+What is not served keeps sglang's refusal: state laid out per page (SWA,
+DSA, block scales, ...), decode context parallelism, sglang's own staging,
+unified memory, head-sliced sends between attention TP sizes, HiSparse's
+two page spaces, and a decode prefix that is not a whole number of the
+prefill's pages (the prefill's own page list for it would miss its last
+page; the request fails, naming both).
+"""
+
+from __future__ import annotations
+
+import contextvars
+import dataclasses
+import logging
+import threading
+import weakref
+from typing import Any
+
+import numpy as np
+
+from gpu_planner.errors import PlanValidationError
+from gpu_planner.integration.sglang.fallback import best_effort, log_once
+from gpu_planner.integration.sglang.page_size_wire import (
+    Planned,
+    declared_plan,
+    repaged_frames,
+)
+from gpu_planner.integration.sglang.registered_region import PerManager
+from gpu_planner.integration.sglang.staging_wire import KV_POLL_FAILED, KV_POLL_SUCCESS
+from gpu_planner.page_geometry import PageGeometry, common_unit, unit_pages
+
+# State kept per request (one row or slot each), which no page size lays out.
+PER_REQUEST_STATES = frozenset({"mamba", "request_row"})
+MAX_ROOMS = 1 << 16  # repaged requests a decode tracks at once: bounds the bookkeeping
+INT32_MAX = 2**31 - 1
+
+
+# Decode side.
+
+
+@dataclasses.dataclass(eq=False)
+class RepagedRoom:
+    """A request this decode sent to a prefill of another page size, and what ranks declared."""
+
+    prefill_page_size: int
+    num_pages: int  # the decode's pages sent: its sent tokens end in the last one
+    covered_by: set[int] = dataclasses.field(default_factory=set)  # ranks that sent every token
+    reported: set[int] = dataclasses.field(default_factory=set)  # ranks whose Success counted
+
+
+class DecodePageSizes:
+    """One decode manager's prefills of another page size, and its requests sent to them."""
+
+    def __init__(self, manager: Any) -> None:
+        self.page_size = int(manager.kv_args.page_size)
+        self.session = manager.get_session_id()
+        self._prefills: dict[str, int] = {}  # bootstrap address: its page size, where not ours
+        self._rooms: dict[int, RepagedRoom] = {}
+        self._declared: tuple[int, int, Planned | str | None] | None = None
+        self._lock = threading.Lock()
+
+    def connected(self, bootstrap_addr: str, prefill_page_size: int) -> None:
+        with self._lock:
+            self._prefills[bootstrap_addr] = prefill_page_size
+
+    def prefill_page_size(self, bootstrap_addr: str) -> int | None:
+        """The page size of the prefill at `bootstrap_addr`, None where it is this decode's."""
+        return self._prefills.get(bootstrap_addr)
+
+    def request_refusal(self, prefill_page_size: int, prefix: int, device_pages: Any) -> str | None:
+        """Why a request to a prefill of `prefill_page_size` cannot be served, or None."""
+        pair = f"prefill page size {prefill_page_size}, decode page size {self.page_size}"
+        if device_pages is not None:
+            return f"gpu_planner: {pair}: HiSparse's two page spaces are not served across them"
+        if prefix % prefill_page_size:
+            return (
+                f"gpu_planner: {pair}: the decode's cached prefix of {prefix} tokens is not a "
+                "whole number of the prefill's pages, whose page list would miss its last page"
+            )
+        return None
+
+    def sent(self, room: int, prefill_page_size: int, num_pages: int) -> None:
+        with self._lock:
+            if room not in self._rooms and len(self._rooms) >= MAX_ROOMS:
+                self._rooms.pop(next(iter(self._rooms)))  # the oldest: its request long ended
+            self._rooms[room] = RepagedRoom(prefill_page_size, num_pages)
+
+    def on_declared(self, room: int, prefill_rank: int, declared: Planned | str | None) -> None:
+        """What the status sglang just parsed declared (None: nothing; str: malformed)."""
+        with self._lock:
+            self._declared = (room, prefill_rank, declared)
+
+    def refusal(self, room: int, status: int, prefill_rank: int, expected_ranks: int) -> str | None:
+        """Before sglang applies a rank's status: why its Success must be Failed, else None."""
+        with self._lock:
+            parsed, self._declared = self._declared, None
+            repaged = self._rooms.get(room)
+            if status != KV_POLL_SUCCESS or repaged is None:
+                return None
+            declared = parsed[2] if parsed and parsed[:2] == (room, prefill_rank) else None
+            why = self._not_covered(repaged, declared)
+            if why is not None:
+                return (
+                    f"gpu_planner: prefill rank {prefill_rank} (page size "
+                    f"{repaged.prefill_page_size}) toward this decode (page size "
+                    f"{self.page_size}): {why}"
+                )
+            if declared.ranges:
+                repaged.covered_by.add(prefill_rank)
+            repaged.reported.add(prefill_rank)
+            if len(repaged.reported) >= max(expected_ranks, 1) and not repaged.covered_by:
+                return "gpu_planner: every prefill rank declared that it sent this request no KV"
+        return None
+
+    def _not_covered(self, repaged: RepagedRoom, declared: Planned | str | None) -> str | None:
+        if declared is None:
+            return (
+                "its Success declares no plan for this decode's page size (a plain sglang "
+                "prefill, which cannot serve another page size: it wrote no KV)"
+            )
+        if isinstance(declared, str):
+            return f"its declaration does not parse ({declared})"
+        if declared.page_size != self.page_size:
+            return f"it planned for page size {declared.page_size}"
+        if not declared.ranges:
+            return None  # this rank sent the decode no KV (a replica, a dummy rank)
+        end = 0
+        for first, stop in declared.ranges:
+            if first != end:
+                return f"its chunks cover tokens up to {end}, then from {first}"
+            end = stop
+        last_page = ((repaged.num_pages - 1) * self.page_size, repaged.num_pages * self.page_size)
+        if not last_page[0] < end <= last_page[1]:
+            return f"its chunks end at token {end}, not in the last page {last_page}"
+        return None
+
+    def after_status(self, request_status: dict, room: int) -> None:
+        """After sglang applied a status: a request that ended is forgotten."""
+        if request_status.get(room) in (None, KV_POLL_SUCCESS, KV_POLL_FAILED):
+            self.end(room)
+
+    def end(self, room: int) -> None:
+        with self._lock:
+            self._rooms.pop(room, None)
+
+
+def _new_decode(manager: Any) -> DecodePageSizes | str:
+    why = why_unserved(manager)
+    return why if why is not None else DecodePageSizes(manager)
+
+
+DECODES: PerManager[DecodePageSizes] = PerManager(_new_decode)
+NOT_ALL_DECODE_HOOKS = "the decode's page-size and receive-staging hooks are not all registered"
+
+
+def decode_hooks_registered(registered: bool) -> None:
+    """Whether every hook a decode needs to serve another page size registered."""
+    DECODES.unavailable = None if registered else NOT_ALL_DECODE_HOOKS
+
+
+def why_unserved(manager: Any) -> str | None:
+    """Why this decode cannot be served by a prefill of another page size, or None."""
+    kv_args = manager.kv_args
+    states = [getattr(state, "value", state) for state in getattr(kv_args, "state_types", ())]
+    per_page = [state for state in states if state not in PER_REQUEST_STATES]
+    if per_page:
+        return f"its state {per_page[0]} is laid out per page of {kv_args.page_size} tokens"
+    if getattr(manager, "dcp_size", 1) > 1:
+        return "decode context parallelism relays tokens by its own page layout"
+    if getattr(manager, "enable_staging", False):
+        return "sglang's own staging (SGLANG_DISAGG_STAGING_BUFFER) addresses pages itself"
+    if getattr(kv_args, "mla_compression_ratios", None) is not None:
+        return "HiSparse's compressed host pages are not served across page sizes"
+    if _unified_memory():
+        return "unified memory registers one envelope addressed by the decode's page size"
+    return None
+
+
+def _unified_memory() -> bool:
+    from sglang.srt.runtime_context import get_memory  # sglang's global memory settings
+
+    try:
+        return bool(get_memory().enable_unified_memory)
+    except Exception:  # settings not initialised (a unit test's manager): sglang's default
+        return False
+
+
+# The decode accepting a prefill's page size while sglang fetches its info (this thread only).
+_CONNECTING: contextvars.ContextVar[DecodePageSizes | None] = contextvars.ContextVar(
+    "gpu_planner_connecting", default=None
+)
+_SENDING_METADATA: contextvars.ContextVar[Any] = contextvars.ContextVar(
+    "gpu_planner_receiver", default=None
+)
+_PREFILL_PAGE_SIZE = "_gpu_planner_page_size"  # where a served prefill's own page size waits
+
+
+def parallel_info_hook(original: Any, manager: Any, *args: Any, **kwargs: Any) -> Any:
+    """sglang's fetch of a prefill's info, accepting another page size where it is served.
+
+    sglang's check stays for every other case, and its error says why gpu_planner did not serve.
+    """
+    decode, why = _decode_of(manager)
+    token = _CONNECTING.set(decode)
+    try:
+        connected = original(manager, *args, **kwargs)
+    except RuntimeError as error:
+        if why is None or not str(error).startswith("Page size mismatch"):
+            raise
+        raise RuntimeError(
+            f"{error} (gpu_planner serves other page sizes, not here: {why})"
+        ) from error
+    finally:
+        _CONNECTING.reset(token)
+    if decode is not None and connected:
+        bootstrap_addr = (list(args) + [kwargs.get("bootstrap_addr")])[0]
+        info = manager.prefill_info_table.get(bootstrap_addr)
+        prefill_page_size = getattr(info, _PREFILL_PAGE_SIZE, None)
+        if prefill_page_size is not None:
+            info.page_size = prefill_page_size  # what the prefill said, as sglang keeps it
+            decode.connected(bootstrap_addr, prefill_page_size)
+    return connected
+
+
+def _decode_of(manager: Any) -> tuple[DecodePageSizes | None, str | None]:
+    """`manager`'s page-size state, or why it has none (None, None: not a decode)."""
+    mode = getattr(manager, "disaggregation_mode", None)
+    if getattr(mode, "name", None) != "DECODE":
+        return None, None
+    decode = DECODES.get(manager)
+    return (None, decode) if isinstance(decode, str) else (decode, None)
+
+
+def prefill_info_hook(original: Any, info: Any, *args: Any, **kwargs: Any) -> Any:
+    """sglang's normalisation of a prefill's info; while a served decode connects, another page
+    size passes sglang's check (`parallel_info_hook` puts it back)."""
+    result = original(info, *args, **kwargs)
+    decode = _CONNECTING.get()
+    page_size = getattr(info, "page_size", None)
+    if decode is not None and page_size is not None and page_size != decode.page_size:
+        setattr(info, _PREFILL_PAGE_SIZE, page_size)
+        info.page_size = decode.page_size
+    return result
+
+
+def send_metadata_hook(original: Any, receiver: Any, *args: Any, **kwargs: Any) -> Any:
+    """sglang's sending of a request's metadata; its messages know which prefill they go to."""
+    token = _SENDING_METADATA.set(receiver)
+    try:
+        return original(receiver, *args, **kwargs)
+    finally:
+        _SENDING_METADATA.reset(token)
+
+
+def metadata_frames(original: Any, manager: Any, kwargs: dict) -> list[bytes] | None:
+    """The metadata toward a prefill of another page size (None: not one): sglang's frames with
+    no pages, and the pages in `Repaged`; for a request that cannot be served (or a failure
+    here), no pages at all and the request Failed. Never the pages where sglang reads them."""
+    receiver = _SENDING_METADATA.get()
+    decode = DECODES.existing(manager)
+    if receiver is None or decode is None or kwargs.get("is_dummy"):
+        return None
+    prefill_page_size = decode.prefill_page_size(getattr(receiver, "bootstrap_addr", None))
+    if prefill_page_size is None:
+        return None
+    no_pages = {"kv_indices": np.empty(0, dtype=np.int32), "device_kv_indices": None}
+    frames = original(manager, **{**kwargs, **no_pages})
+    room = kwargs["bootstrap_room"]
+    try:
+        pages = np.asarray(kwargs["kv_indices"])
+        prefix = int(kwargs.get("decode_prefix_len") or 0)
+        refusal = decode.request_refusal(prefill_page_size, prefix, kwargs["device_kv_indices"])
+        if refusal is None:
+            added = repaged_frames(pages)
+            decode.sent(int(room), prefill_page_size, len(pages))
+            return [*frames, *added]
+    except Exception as error:  # unserved: no KV goes, the request fails
+        refusal = f"gpu_planner: a request to a prefill of another page size ({error})"
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    manager.record_failure(room, refusal)
+    manager.update_status(room, KVPoll.Failed)
+    return frames
+
+
+def declared_toward(manager: Any, msg: list[bytes], room: int, prefill_rank: int) -> None:
+    """Keep what a parsed status declares toward this decode, for `refusal`."""
+    decode = DECODES.existing(manager)
+    if decode is not None:
+        try:
+            declared: Planned | str | None = declared_plan(msg, decode.session)
+        except Exception as error:  # a malformed declaration fails the rank's Success
+            declared = str(error)
+        decode.on_declared(room, prefill_rank, declared)
+
+
+# Prefill side.
+
+
+@dataclasses.dataclass(eq=False)
+class RepagedRoute:
+    """A request whose decode has another page size: its pages, and what this rank planned."""
+
+    room: int
+    session: str
+    decode_page_size: int
+    decode_pages: np.ndarray  # int64: the decode's pages of the sent tokens
+    prefix: int  # the decode's cached prefix: sent token 0 is the request's token `prefix`
+    virtual: weakref.ref  # the TransferInfo's virtual pages (the sends' slices view them)
+    virtual_address: int
+    ranges: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # planned, in order
+
+
+class PrefillPageSizes:
+    """The decodes that declared a page size, and the requests planned for another one."""
+
+    def __init__(self) -> None:
+        self.unavailable: str | None = None  # why this process serves no other page size
+        self._decodes: dict[str, int] = {}  # decode session: its page size
+        self._routes: dict[int, RepagedRoute] = {}  # id of a TransferInfo's virtual pages
+        self._smallest_page_size: int | None = None  # of this process's managers
+        self._lock = threading.Lock()
+
+    def hooks_registered(self, registered: bool) -> None:
+        """Whether every hook a repaged request needs registered: the wire's and the sends'."""
+        self.unavailable = (
+            None if registered else "the prefill's send and wire hooks are not all registered"
+        )
+
+    def manager_built(self, manager: Any) -> None:
+        """A prefill manager of this process: its page size bounds the virtual pages' count."""
+        page_size = int(manager.kv_args.page_size)
+        with self._lock:
+            smallest = self._smallest_page_size
+            self._smallest_page_size = page_size if smallest is None else min(smallest, page_size)
+            if getattr(manager, "dcp_size", 1) > 1:
+                self.unavailable = "this prefill relays tokens for decode context parallelism"
+
+    def registered(self, session: str, page_size: int | None) -> None:
+        with self._lock:
+            if page_size is None:
+                self._decodes.pop(session, None)
+            else:
+                self._decodes[session] = page_size
+
+    def decode_page_size(self, session: str) -> int | None:
+        return self._decodes.get(session)
+
+    def repage(self, info: Any, decode_pages: np.ndarray) -> None:
+        """Give `info` (a parsed TransferInfo) virtual pages for the decode's `decode_pages`."""
+        decode_page_size = self._decodes.get(info.mooncake_session_id)
+        if self.unavailable is not None or decode_page_size is None:
+            why = self.unavailable or "the decode declared no page size"
+            raise ValueError(f"a request for another page size is not served here: {why}")
+        tokens = len(decode_pages) * decode_page_size
+        virtual = virtual_pages(-(-tokens // (self._smallest_page_size or 1)))
+        route = RepagedRoute(
+            info.room, info.mooncake_session_id, decode_page_size,
+            decode_pages.astype(np.int64), int(info.decode_prefix_len or 0),
+            weakref.ref(virtual), virtual.ctypes.data,
+        )  # fmt: skip
+        key = id(virtual)
+        with self._lock:
+            self._routes[key] = route
+        weakref.finalize(virtual, self._forget, key, route.virtual)
+        info.dst_kv_indices = virtual
+
+    def _forget(self, key: int, virtual_ref: weakref.ref) -> None:
+        with self._lock:
+            route = self._routes.get(key)
+            if route is not None and route.virtual is virtual_ref:
+                del self._routes[key]
+
+    def chunk_for(self, dst_pages: Any) -> tuple[RepagedRoute, int] | None:
+        """The repaged request whose virtual pages `dst_pages` slices, and the slice's first
+        prefill page position in it; None for any other page list."""
+        if not self._routes or not isinstance(dst_pages, np.ndarray):
+            return None
+        base = dst_pages.base if isinstance(dst_pages.base, np.ndarray) else dst_pages
+        route = self._routes.get(id(base))  # one dict read: atomic, no lock
+        if route is None or route.virtual() is not base or dst_pages.dtype != base.dtype:
+            return None
+        offset = dst_pages.ctypes.data - route.virtual_address
+        if dst_pages.strides != (base.itemsize,) or offset % base.itemsize:
+            return None
+        return route, offset // base.itemsize
+
+    def planned(self, route: RepagedRoute, first: int, end: int) -> None:
+        """This rank's descriptors for `route` covered its sent tokens `[first, end)`."""
+        with self._lock:
+            route.ranges.append((first, end))
+
+    def declarations(self, manager: Any, room: int) -> dict[str, Planned]:
+        """{decode session: Planned} of `room`'s requests toward decodes of another page size:
+        what this rank's Success for `room` declares (no range: it sent that decode no KV)."""
+        infos = getattr(manager, "transfer_infos", {}).get(room) or {}
+        own = int(manager.kv_args.page_size)
+        declared: dict[str, Planned] = {}
+        with self._lock:
+            for info in infos.values():
+                session = info.mooncake_session_id
+                route = self._routes.get(id(getattr(info, "dst_kv_indices", None)))
+                if route is not None and route.virtual() is info.dst_kv_indices:
+                    declared[session] = Planned(route.decode_page_size, tuple(route.ranges))
+                elif self._decodes.get(session, own) != own and info.is_dummy:
+                    declared[session] = Planned(self._decodes[session], ())
+        return declared
+
+    def forget(self) -> None:
+        """Forget every decode and request (tests)."""
+        with self._lock:
+            self._decodes.clear()
+            self._routes.clear()
+
+
+PREFILL = PrefillPageSizes()
+
+
+def manager_built_hook(result: None = None, manager: Any = None, *args: Any, **kwargs: Any) -> None:
+    """AFTER sglang builds a Mooncake KV manager: a prefill's page size for `PREFILL`."""
+    mode = getattr(getattr(manager, "disaggregation_mode", None), "name", None)
+    if mode == "PREFILL":
+        with best_effort("a prefill's page size was not recorded", "page sizes"):
+            PREFILL.manager_built(manager)
+
+
+def virtual_pages(count: int) -> np.ndarray:
+    """`count` int32 page ids at the top of int32: their positions are what the hooks read; as
+    pages they lie far past any registered buffer, so no write can land with one."""
+    return np.arange(INT32_MAX - count + 1, INT32_MAX + 1, dtype=np.int64).astype(np.int32)
+
+
+@dataclasses.dataclass(frozen=True)
+class UnitSend:
+    """One chunk of a repaged request as an equal-page send of `unit`-token pages."""
+
+    src_pages: np.ndarray  # int64 unit pages of the prefill's chunk
+    dst_pages: np.ndarray  # int64 unit pages of the decode's
+    unit: int
+    first: int  # the chunk's sent tokens: [first, end)
+    end: int
+
+
+def unit_send(
+    route: RepagedRoute, position: int, src_pages: np.ndarray, page_size: int
+) -> UnitSend:
+    """The chunk whose prefill pages `src_pages` (of `page_size` tokens) sit at prefill page
+    `position` of `route`'s request, as unit pages of both sides.
+
+    Its tokens end at its last page or the decode's, whichever comes first;
+    `PlanValidationError` names what cannot be planned.
+    """
+    decode_page_size = route.decode_page_size
+    if route.prefix % page_size:
+        raise PlanValidationError(
+            f"prefix of {route.prefix} tokens is not a whole number of the prefill's pages of "
+            f"{page_size} tokens"
+        )
+    first = position * page_size
+    end = min(first + len(src_pages) * page_size, len(route.decode_pages) * decode_page_size)
+    if end <= first:
+        raise PlanValidationError(
+            f"prefill pages from position {position} lie past the decode's "
+            f"{len(route.decode_pages)} pages of {decode_page_size} tokens"
+        )
+    src = PageGeometry(page_size)
+    dst = PageGeometry(decode_page_size, first % decode_page_size)
+    unit = common_unit(src, dst)
+    decode_pages = route.decode_pages[first // decode_page_size :]
+    return UnitSend(
+        unit_pages(src_pages, src, unit, end - first, "prefill_data_indices"),
+        unit_pages(decode_pages, dst, unit, end - first, "the decode's repaged pages"),
+        unit,
+        first,
+        end,
+    )
+
+
+def log_unserved(why: str) -> None:
+    log_once(logging.WARNING, f"gpu_planner: other page sizes are not served: {why}", why)
