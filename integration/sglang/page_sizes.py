@@ -88,6 +88,9 @@ class DecodePageSizes:
         self._declared: tuple[int, int, Planned | str | None] | None = None
         self._lock = threading.Lock()
 
+    def release(self) -> None:
+        """The manager's end (`PerManager`): nothing registered, nothing to give back."""
+
     def connected(self, bootstrap_addr: str, prefill_page_size: int) -> None:
         with self._lock:
             self._prefills[bootstrap_addr] = prefill_page_size
@@ -422,8 +425,10 @@ class PrefillPageSizes:
     def declarations(self, manager: Any, room: int) -> dict[str, Planned]:
         """{decode session: Planned} of `room`'s requests toward decodes of another page size:
         what this rank's Success for `room` declares (no range: it sent that decode no KV)."""
+        if not self._decodes:  # no decode declared a page size: nothing to declare
+            return {}
         infos = getattr(manager, "transfer_infos", {}).get(room) or {}
-        own = int(manager.kv_args.page_size)
+        own = getattr(manager.kv_args, "page_size", None)
         declared: dict[str, Planned] = {}
         with self._lock:
             for info in infos.values():
@@ -431,7 +436,7 @@ class PrefillPageSizes:
                 route = self._routes.get(id(getattr(info, "dst_kv_indices", None)))
                 if route is not None and route.virtual() is info.dst_kv_indices:
                     declared[session] = Planned(route.decode_page_size, tuple(route.ranges))
-                elif self._decodes.get(session, own) != own and info.is_dummy:
+                elif info.is_dummy and self._decodes.get(session, own) != own:
                     declared[session] = Planned(self._decodes[session], ())
         return declared
 

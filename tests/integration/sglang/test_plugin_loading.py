@@ -23,15 +23,16 @@ from sglang_plugin_support import (
 from sglang_send_scenarios import SESSION
 
 from gpu_planner.integration.sglang import fallback as sglang_fallback
-from gpu_planner.integration.sglang import plugin as sglang_plugin
 from gpu_planner.integration.sglang import page_sizes, receive_staging
+from gpu_planner.integration.sglang import plugin as sglang_plugin
+from gpu_planner.integration.sglang.page_size_wire import PAGE_SIZE_TAG
 from gpu_planner.integration.sglang.plugin import (
     CHUNK_READY_TARGET,
     DECODE_PAGE_SIZES,
     DECODE_STAGING,
     METADATA_MESSAGE_TARGET,
-    PARALLEL_INFO_TARGET,
     PAGES_TARGET,
+    PARALLEL_INFO_TARGET,
     POP_PREALLOCATED_TARGET,
     PRE_ALLOC_TARGET,
     PREFILL_INFO_TARGET,
@@ -50,7 +51,6 @@ from gpu_planner.integration.sglang.plugin import (
     UPDATE_STATUS_TARGET,
     WARMUP_TARGET,
 )
-from gpu_planner.integration.sglang.page_size_wire import PAGE_SIZE_TAG
 from gpu_planner.integration.sglang.sglang_sources import SOURCE_FINGERPRINTS
 
 PLUGIN_LOGGER = "gpu_planner.integration.sglang.plugin"

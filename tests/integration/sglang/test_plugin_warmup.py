@@ -16,7 +16,13 @@ from suite_support import ON_CUDA, set_knob
 
 from gpu_planner import cpu_backend, head_scatter, head_slices, settings
 from gpu_planner.integration.sglang import fallback as sglang_fallback
-from gpu_planner.integration.sglang import pages, receive_staging, send_slots, staging_warmup
+from gpu_planner.integration.sglang import (
+    page_sizes,
+    pages,
+    receive_staging,
+    send_slots,
+    staging_warmup,
+)
 from gpu_planner.integration.sglang import plugin as sglang_plugin
 from gpu_planner.integration.sglang.plugin import (
     WARMUP_TARGET,
@@ -87,8 +93,13 @@ def test_what_the_hooks_run_compiles_once_after_the_kv_manager_is_built(monkeypa
     )
     sglang_plugin.register()
     hooks = [(hook_type, hook) for hook_type, hook, _ in HookRegistry._hooks[WARMUP_TARGET]]
-    # The CPU loops once per process; the GPU's kernels per manager (each its KV geometry).
-    assert hooks == [(HookType.AFTER, compile_after_manager_init), (HookType.AFTER, warm_up_gpu)]
+    # The CPU loops once per process; the GPU's kernels per manager (each its KV geometry);
+    # each prefill manager's page size (`page_sizes`).
+    assert hooks == [
+        (HookType.AFTER, compile_after_manager_init),
+        (HookType.AFTER, warm_up_gpu),
+        (HookType.AFTER, page_sizes.manager_built_hook),
+    ]
     assert compiled == []  # registering compiles nothing: most of sglang's processes never send
     assert compile_after_manager_init(None, object()) is None
     assert compile_after_manager_init(None, object()) is None  # a second manager: nothing more

@@ -27,7 +27,7 @@ from suite_support import set_knob
 
 from gpu_planner import settings
 from gpu_planner.cuda_runtime import cuda_runtime
-from gpu_planner.integration.sglang import counters, prefill_routes, receive_staging
+from gpu_planner.integration.sglang import counters, page_sizes, prefill_routes, receive_staging
 from gpu_planner.integration.sglang.frames import KVRegistration, TransferRequest
 from gpu_planner.integration.sglang.staging_wire import (
     DECLARED_TAG,
@@ -216,6 +216,15 @@ class Decode:
             original, self.manager, bootstrap_room=room, status=status, prefill_rank=prefill_rank
         )
         return calls
+
+
+@pytest.fixture(autouse=True)
+def staging_alone():
+    """These tests check receive staging alone: the decode serves no other page size, so its
+    registration carries no page size (`test_page_sizes_mooncake` checks that)."""
+    page_sizes.decode_hooks_registered(False)
+    yield
+    page_sizes.decode_hooks_registered(True)
 
 
 @pytest.fixture

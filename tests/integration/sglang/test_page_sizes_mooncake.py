@@ -1,0 +1,358 @@
+"""A prefill and a decode of different page sizes, through two real Mooncake engines.
+
+The prefill is a real `MooncakeKVManager` sending with sglang's
+`MooncakeTransferEngine` over TCP on 127.0.0.1; the decode is a real one with a
+registered KV pool. Everything between them goes as sglang moves it, through
+the hooked code: the decode's fetch of the prefill's info (sglang's own
+`try_ensure_parallel_info`, its HTTP answer stubbed), its registration and each
+request's metadata (sent from `send_metadata`), the prefill's parsers, the
+generic send of each chunk as sglang's transfer worker cuts it (by prefill
+pages), and the prefill's status through the decode's handler. The decode's
+pool must hold, for every sent token, the prefill's bytes of that token
+(`expected_pool`: a token walk), and nothing else.
+"""
+
+from __future__ import annotations
+
+import inspect
+import types
+
+import numpy as np
+import pytest
+from sglang.srt.disaggregation.common import conn as common_conn
+from sglang_plugin_support import KVPool, conn, deliver_status, hooked_send, make_decode_manager
+from sglang_plugin_support import make_manager as make_prefill_manager
+
+from gpu_planner.integration.sglang import counters, page_sizes, receive_staging
+from gpu_planner.integration.sglang.frames import KVRegistration, TransferRequest
+from gpu_planner.integration.sglang.page_size_wire import PLANNED_TAG, REPAGED_TAG
+
+POOL_TOKENS = 1024  # each side's pool, in tokens
+TOKEN_BYTES = [8, 8, 4, 4]  # K and V of two layers, bytes per token (unequal: caught per buffer)
+KV_POLL_TRANSFERRING, KV_POLL_SUCCESS, KV_POLL_FAILED = 3, 4, 0
+BOOTSTRAP = "127.0.0.1:8998"
+ORIGINAL_TRANSFER_INFO = inspect.unwrap(conn.TransferInfo.from_zmq.__func__)
+ORIGINAL_STATUS = inspect.unwrap(conn.MooncakeKVManager._encode_kv_status_message)
+
+
+def route_answer(page_size: int) -> dict:
+    """A prefill's bootstrap `/route` answer, as sglang's bootstrap server gives it."""
+    return {
+        "attn_tp_size": 1,
+        "attn_cp_size": 1,
+        "dp_size": 1,
+        "pp_size": 1,
+        "page_size": page_size,
+        "kv_cache_dtype": "auto",
+        "follow_bootstrap_room": True,
+    }
+
+
+class Pair:
+    """A prefill of `prefill_page_size` and a decode of `decode_page_size`, connected."""
+
+    def __init__(self, engines, monkeypatch, prefill_page_size: int, decode_page_size: int):
+        prefill_engine, decode_engine = engines
+        self.prefill_page_size, self.decode_page_size = prefill_page_size, decode_page_size
+        self.source = KVPool(
+            prefill_engine,
+            [n * prefill_page_size for n in TOKEN_BYTES],
+            "random",
+            prefill_page_size,
+            pages=POOL_TOKENS // prefill_page_size,
+        )
+        self.destination = KVPool(
+            decode_engine,
+            [n * decode_page_size for n in TOKEN_BYTES],
+            "zeros",
+            pages=POOL_TOKENS // decode_page_size,
+        )
+        self.decode = make_decode_manager(
+            decode_engine,
+            self.destination.ptrs,
+            self.destination.lens,
+            self.destination.item_lens,
+            decode_page_size,
+        )
+        self.prefill = make_prefill_manager(
+            prefill_engine, kv_data_ptrs=self.source.ptrs, kv_data_lens=self.source.lens
+        )
+        self.prefill.kv_args.page_size = prefill_page_size
+        self.prefill.kv_args.kv_item_lens = self.source.item_lens
+        self.session = decode_engine.session_id
+        self.prefill.decode_kv_args_table = {}
+        page_sizes.manager_built_hook(None, _as_prefill(self.prefill))
+        decode = self.decode  # what sglang's fetch of the prefill's info reads
+        decode.prefill_info_table, decode.kv_cache_dtype_str = {}, "auto"
+        decode.kv_args.state_types = []
+        decode.attn_tp_size, decode.dcp_size = 1, 1
+        decode.kv_layout = decode.dsv41_spec_layout = None
+        decode.is_mla_backend = decode.is_hybrid_mla_backend = False
+        decode._resolve_rank_mapping = lambda info: None
+        assert self.connect(monkeypatch)
+        self.register()
+
+    def connect(self, monkeypatch) -> bool:
+        """sglang's own fetch of the prefill's info (hooked), its HTTP answer stubbed."""
+        self.decode.prefill_info_table.clear()
+        answer = types.SimpleNamespace(
+            status_code=200, json=lambda: route_answer(self.prefill_page_size)
+        )
+        monkeypatch.setattr(common_conn.requests, "get", lambda url, timeout: answer)
+        return conn.MooncakeKVManager.try_ensure_parallel_info(self.decode, BOOTSTRAP)
+
+    def register(self) -> None:
+        frames = KVRegistration(
+            endpoint="127.0.0.1",
+            port=17000,
+            session_id=self.session,
+            ptrs=self.destination.ptrs,
+            item_lens=self.destination.item_lens,
+            lens=self.destination.lens,
+            is_device=[False] * len(self.destination.ptrs),
+        ).to_frames()[:20]
+        sent = receive_staging.registration_message_hook(lambda _: frames, self.decode)
+        self.prefill.decode_kv_args_table[self.session] = conn.KVArgsRegisterInfo.from_zmq(sent)
+
+    def metadata(self, room: int, decode_pages: np.ndarray, prefix: int = 0) -> list[bytes]:
+        """The decode's metadata for `room`, built inside sglang's `send_metadata` (hooked)."""
+        self.decode.request_status[room] = KV_POLL_TRANSFERRING
+        self.decode.prefill_response_tracker[room] = set()
+        self.decode.required_prefill_response_num_table[room] = 1
+
+        def build(_, **kwargs) -> list[bytes]:
+            return TransferRequest(
+                room=room,
+                endpoint="127.0.0.1",
+                port=17000,
+                session_id=self.session,
+                host_pages=kwargs["kv_indices"],
+                decode_prefix_len=kwargs["decode_prefix_len"],
+            ).to_frames()
+
+        def send_metadata(receiver) -> list[bytes]:
+            return receive_staging.metadata_message_hook(
+                build,
+                self.decode,
+                bootstrap_room=room,
+                required_dst_info_num=1,
+                kv_indices=decode_pages,
+                aux_index=0,
+                state_indices=None,
+                decode_prefix_len=prefix,
+                is_dummy=False,
+                device_kv_indices=None,
+            )
+
+        receiver = types.SimpleNamespace(bootstrap_addr=BOOTSTRAP)
+        return page_sizes.send_metadata_hook(send_metadata, receiver)
+
+    def parse(self, room: int, frames: list[bytes], parser=None):
+        """The prefill's parse of the metadata (the hooked parser, or `parser`)."""
+        info = parser(conn.TransferInfo, frames) if parser else conn.TransferInfo.from_zmq(frames)
+        self.prefill.transfer_infos[room] = {self.session: info}
+        return info
+
+    def send_chunks(self, info, src_pages: np.ndarray, cuts: list[int]) -> list[int]:
+        """Each chunk as sglang's transfer worker sends it: the decode's pages cut by the
+        chunk's prefill pages (`req.dst_kv_indices[kv_chunk.index_slice]`), truncated as it
+        truncates; no call where the chunk's destination is empty."""
+        statuses = []
+        for first, end in zip(cuts[:-1], cuts[1:], strict=True):
+            dst = info.dst_kv_indices[first:end]
+            src = src_pages[first:end][: len(dst)]
+            if len(src) == 0:
+                continue
+            statuses.append(
+                hooked_send()(
+                    self.prefill,
+                    mooncake_session_id=self.session,
+                    src_data_ptrs=self.source.ptrs,
+                    dst_data_ptrs=self.destination.ptrs,
+                    item_lens=self.source.item_lens,
+                    prefill_data_indices=src,
+                    dst_data_indices=dst,
+                    executor=None,
+                )
+            )
+        return statuses
+
+    def expected_pool(self, src_pages: np.ndarray, dst_pages: np.ndarray) -> np.ndarray:
+        """The decode's pool after every sent token's bytes landed in its slot: the tokens of
+        the prefill's pages, up to the decode's last page (a token walk)."""
+        expected = np.zeros_like(self.destination.tensor.numpy())
+        source = self.source.tensor.numpy()
+        sent = min(len(src_pages) * self.prefill_page_size, len(dst_pages) * self.decode_page_size)
+        tokens = np.arange(sent)
+        src_slots = src_pages[tokens // self.prefill_page_size] * self.prefill_page_size
+        src_slots += tokens % self.prefill_page_size
+        dst_slots = dst_pages[tokens // self.decode_page_size] * self.decode_page_size
+        dst_slots += tokens % self.decode_page_size
+        for buffer, width in enumerate(TOKEN_BYTES):
+            src_base, dst_base = self.source.offsets[buffer], self.destination.offsets[buffer]
+            byte = np.arange(width)
+            src_bytes = src_base + (src_slots[:, None] * width + byte).reshape(-1)
+            dst_bytes = dst_base + (dst_slots[:, None] * width + byte).reshape(-1)
+            expected[dst_bytes] = source[src_bytes]
+        return expected
+
+    def joint_runs(self, src_pages: np.ndarray, dst_pages: np.ndarray, cuts: list[int]) -> int:
+        """Maximal runs of tokens whose slots step by one on both sides, within each chunk."""
+        sent = min(len(src_pages) * self.prefill_page_size, len(dst_pages) * self.decode_page_size)
+        runs = 0
+        for first, end in zip(cuts[:-1], cuts[1:], strict=True):
+            tokens = np.arange(
+                first * self.prefill_page_size, min(end * self.prefill_page_size, sent)
+            )
+            if tokens.size == 0:
+                continue
+            src = src_pages[tokens // self.prefill_page_size] * self.prefill_page_size
+            src += tokens % self.prefill_page_size
+            dst = dst_pages[tokens // self.decode_page_size] * self.decode_page_size
+            dst += tokens % self.decode_page_size
+            runs += 1 + int(np.count_nonzero((np.diff(src) != 1) | (np.diff(dst) != 1)))
+        return runs
+
+    def close(self) -> None:
+        for pool in (self.source, self.destination):
+            pool.close()
+        page_sizes.DECODES.release(self.decode)
+
+
+def _as_prefill(manager):
+    from sglang.srt.disaggregation.utils import DisaggregationMode
+
+    manager.disaggregation_mode = DisaggregationMode.PREFILL
+    return manager
+
+
+@pytest.fixture
+def pairs(engines, monkeypatch):
+    made: list[Pair] = []
+
+    def make(prefill_page_size: int, decode_page_size: int) -> Pair:
+        made.append(Pair(engines, monkeypatch, prefill_page_size, decode_page_size))
+        return made[-1]
+
+    yield make
+    for pair in made:
+        pair.close()
+    page_sizes.PREFILL.forget()
+
+
+def shuffled_pages(rng: np.random.Generator, count: int, page_size: int) -> np.ndarray:
+    """`count` distinct pages of a pool of POOL_TOKENS tokens, in runs of one to three."""
+    pool_pages = POOL_TOKENS // page_size
+    starts = rng.permutation(pool_pages)
+    runs = np.concatenate([np.arange(s, s + rng.integers(1, 4)) for s in starts]) % pool_pages
+    _, first_seen = np.unique(runs, return_index=True)
+    return runs[np.sort(first_seen)][:count].astype(np.int32)
+
+
+PAIRS = [(64, 16), (16, 64), (16, 1), (1, 16), (32, 64), (64, 32), (64, 1)]
+
+
+@pytest.mark.parametrize(("prefill_page_size", "decode_page_size"), PAIRS)
+@pytest.mark.parametrize("chunks", [1, 3])
+def test_every_sent_token_lands_in_its_decode_slot(
+    pairs, prefill_page_size, decode_page_size, chunks
+):
+    """Fragmented pages on both sides, chunked as sglang chunks (by prefill pages): each sent
+    token's bytes in its decode slot, one descriptor per joint run per buffer, and the
+    decode's Success admitted."""
+    pair = pairs(prefill_page_size, decode_page_size)
+    rng = np.random.default_rng(prefill_page_size * 100 + decode_page_size + chunks)
+    num_tokens = 700 if max(prefill_page_size, decode_page_size) > 1 else 300
+    src_pages = shuffled_pages(rng, -(-num_tokens // prefill_page_size), prefill_page_size)
+    dst_pages = shuffled_pages(rng, -(-num_tokens // decode_page_size), decode_page_size)
+    frames = pair.metadata(11, dst_pages)
+    assert REPAGED_TAG in frames and frames[4] == b""  # sglang's page frame: empty
+    info = pair.parse(11, frames)
+    cuts = sorted({0, len(src_pages), *rng.integers(1, len(src_pages), chunks - 1).tolist()})
+    before = counters.snapshot()["descriptors"]
+    assert pair.send_chunks(info, src_pages.astype(np.int64), cuts) == [0] * (len(cuts) - 1)
+    descriptors = counters.snapshot()["descriptors"] - before
+    assert descriptors == len(TOKEN_BYTES) * pair.joint_runs(src_pages, dst_pages, cuts)
+    deliver_status(pair.prefill, pair.decode, 11, KV_POLL_SUCCESS)
+    assert pair.decode.request_status[11] == KV_POLL_SUCCESS, pair.decode.failure_records
+    np.testing.assert_array_equal(
+        pair.destination.tensor.numpy(), pair.expected_pool(src_pages, dst_pages)
+    )
+
+
+def test_a_plain_sglang_prefill_writes_nothing_and_its_request_fails_naming_both(pairs):
+    """sglang's own parser takes no page from the metadata, so its transfer worker sends no
+    KV; the Success it sends declares nothing, and the decode fails the request."""
+    pair = pairs(64, 16)
+    rng = np.random.default_rng(5)
+    src_pages = shuffled_pages(rng, 8, 64)
+    frames = pair.metadata(12, shuffled_pages(rng, 32, 16))
+    info = pair.parse(12, frames, parser=ORIGINAL_TRANSFER_INFO)
+    assert pair.send_chunks(info, src_pages, [0, 8]) == []  # sglang truncates to no page
+    frames = ORIGINAL_STATUS(
+        pair.prefill, bootstrap_room=12, status=KV_POLL_SUCCESS, failure_reason=None
+    )
+    assert PLANNED_TAG not in frames
+    conn.MooncakeKVManager.apply_prefill_status(
+        pair.decode, bootstrap_room=12, status=KV_POLL_SUCCESS, prefill_rank=0, failure_reason=None
+    )
+    assert pair.decode.request_status[12] == KV_POLL_FAILED
+    reason = pair.decode.failure_records[12]
+    assert "page size 64" in reason and "page size 16" in reason and "plain sglang" in reason
+    assert not pair.destination.tensor.numpy().any()
+
+
+def test_a_prefix_not_of_whole_prefill_pages_fails_the_request_before_any_byte(pairs):
+    pair = pairs(64, 16)
+    frames = pair.metadata(13, np.arange(4, dtype=np.int32), prefix=48)
+    assert REPAGED_TAG not in frames and frames[4] == b""
+    assert pair.decode.request_status[13] == KV_POLL_FAILED
+    reason = pair.decode.failure_records[13]
+    assert "prefill page size 64, decode page size 16" in reason and "48 tokens" in reason
+    info = pair.parse(13, frames)
+    assert len(info.dst_kv_indices) == 0  # no page: no KV goes
+
+
+def test_a_prefix_of_whole_prefill_pages_is_served(pairs):
+    pair = pairs(16, 64)
+    rng = np.random.default_rng(6)
+    src_pages, dst_pages = shuffled_pages(rng, 12, 16), shuffled_pages(rng, 3, 64)
+    info = pair.parse(14, pair.metadata(14, dst_pages, prefix=128))
+    assert pair.send_chunks(info, src_pages.astype(np.int64), [0, 5, 12]) == [0, 0]
+    deliver_status(pair.prefill, pair.decode, 14, KV_POLL_SUCCESS)
+    assert pair.decode.request_status[14] == KV_POLL_SUCCESS
+    np.testing.assert_array_equal(
+        pair.destination.tensor.numpy(), pair.expected_pool(src_pages, dst_pages)
+    )
+
+
+def test_a_chunk_left_unsent_fails_the_request(pairs):
+    """A rank whose chunks skip some of the sent tokens: its Success is Failed."""
+    pair = pairs(16, 64)
+    rng = np.random.default_rng(7)
+    src_pages, dst_pages = shuffled_pages(rng, 12, 16), shuffled_pages(rng, 3, 64)
+    info = pair.parse(15, pair.metadata(15, dst_pages))
+    assert pair.send_chunks(info, src_pages.astype(np.int64), [0, 5]) == [0]
+    assert pair.send_chunks(info, src_pages.astype(np.int64), [8, 12]) == [0]
+    deliver_status(pair.prefill, pair.decode, 15, KV_POLL_SUCCESS)
+    assert pair.decode.request_status[15] == KV_POLL_FAILED
+    assert "up to 80, then from 128" in pair.decode.failure_records[15]
+
+
+def test_a_decode_it_cannot_serve_keeps_sglangs_refusal_and_says_why(monkeypatch, pairs):
+    """State laid out per page: sglang's own error, naming both page sizes, and why."""
+    pair = pairs(64, 16)
+    pair.decode.kv_args.state_types = [conn.StateType.SWA]
+    page_sizes.DECODES.release(pair.decode)
+    with pytest.raises(RuntimeError, match="page_size=64.*page_size=16.*swa is laid out per page"):
+        pair.connect(monkeypatch)
+    assert BOOTSTRAP not in pair.decode.prefill_info_table
+
+
+def test_equal_page_sizes_go_as_today(monkeypatch, pairs):
+    """The same page size: sglang's frames as they are, no virtual page."""
+    pair = pairs(16, 16)
+    frames = pair.metadata(16, np.arange(3, dtype=np.int32))
+    assert REPAGED_TAG not in frames
+    np.testing.assert_array_equal(pair.parse(16, frames).dst_kv_indices, np.arange(3))
+
