@@ -83,10 +83,25 @@ class DecodePageSizes:
     def __init__(self, manager: Any) -> None:
         self.page_size = int(manager.kv_args.page_size)
         self.session = manager.get_session_id()
+        self._attn_tp_size = getattr(manager, "attn_tp_size", None)
+        self._mla = bool(
+            getattr(manager, "is_mla_backend", False)
+            or getattr(manager, "is_hybrid_mla_backend", False)
+        )
         self._prefills: dict[str, int] = {}  # bootstrap address: its page size, where not ours
         self._rooms: dict[int, RepagedRoom] = {}
         self._declared: tuple[int, int, Planned | str | None] | None = None
         self._lock = threading.Lock()
+
+    def why_not(self, info: Any) -> str | None:
+        """Why a prefill of `info` (another page size) is not served here, or None."""
+        prefill_tp = getattr(info, "attn_tp_size", None)
+        if not self._mla and prefill_tp is not None and prefill_tp != self._attn_tp_size:
+            return (
+                f"head-sliced sends between attention TP {prefill_tp} and {self._attn_tp_size} "
+                "are not served across page sizes"
+            )
+        return None
 
     def release(self) -> None:
         """The manager's end (`PerManager`): nothing registered, nothing to give back."""
@@ -217,8 +232,16 @@ def _unified_memory() -> bool:
         return False
 
 
-# The decode accepting a prefill's page size while sglang fetches its info (this thread only).
-_CONNECTING: contextvars.ContextVar[DecodePageSizes | None] = contextvars.ContextVar(
+@dataclasses.dataclass
+class Connecting:
+    """A served decode fetching a prefill's info (this thread only), and why the prefill's page
+    size was not accepted, if it was not."""
+
+    decode: DecodePageSizes
+    refusal: str | None = None
+
+
+_CONNECTING: contextvars.ContextVar[Connecting | None] = contextvars.ContextVar(
     "gpu_planner_connecting", default=None
 )
 _SENDING_METADATA: contextvars.ContextVar[Any] = contextvars.ContextVar(
@@ -233,10 +256,12 @@ def parallel_info_hook(original: Any, manager: Any, *args: Any, **kwargs: Any) -
     sglang's check stays for every other case, and its error says why gpu_planner did not serve.
     """
     decode, why = _decode_of(manager)
-    token = _CONNECTING.set(decode)
+    connecting = None if decode is None else Connecting(decode)
+    token = _CONNECTING.set(connecting)
     try:
         connected = original(manager, *args, **kwargs)
     except RuntimeError as error:
+        why = why or (connecting and connecting.refusal)
         if why is None or not str(error).startswith("Page size mismatch"):
             raise
         raise RuntimeError(
@@ -267,11 +292,14 @@ def prefill_info_hook(original: Any, info: Any, *args: Any, **kwargs: Any) -> An
     """sglang's normalisation of a prefill's info; while a served decode connects, another page
     size passes sglang's check (`parallel_info_hook` puts it back)."""
     result = original(info, *args, **kwargs)
-    decode = _CONNECTING.get()
+    connecting = _CONNECTING.get()
     page_size = getattr(info, "page_size", None)
-    if decode is not None and page_size is not None and page_size != decode.page_size:
+    if connecting is None or page_size is None or page_size == connecting.decode.page_size:
+        return result
+    connecting.refusal = connecting.decode.why_not(info)
+    if connecting.refusal is None:
         setattr(info, _PREFILL_PAGE_SIZE, page_size)
-        info.page_size = decode.page_size
+        info.page_size = connecting.decode.page_size
     return result
 
 

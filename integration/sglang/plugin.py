@@ -225,7 +225,7 @@ def hook_records() -> list[HookRecord]:
     """Every hook, in registration order. ImportError without sglang's Mooncake connector."""
     # Imported here: these pull in sglang's Mooncake connector, which only
     # sglang processes (not `import gpu_planner`) should pay for.
-    from sglang.srt.disaggregation.common.conn import KVTransferDestination
+    from sglang.srt.disaggregation.common import conn as common_conn
 
     from gpu_planner.integration.sglang import (
         decode_pages,
@@ -259,6 +259,9 @@ def hook_records() -> list[HookRecord]:
         ("prefill_rank", empty),
         ("failure_reason", None),
     )
+    # sglang 0.5.23's `send_metadata` default; a release without it registers no such hook.
+    destinations = getattr(common_conn, "KVTransferDestination", None)
+    device_destination = getattr(destinations, "DEVICE", "KVTransferDestination.DEVICE")
     encode_parameters = (
         ("self", empty),
         ("bootstrap_room", empty),
@@ -405,7 +408,7 @@ def hook_records() -> list[HookRecord]:
                 ("aux_index", None),
                 ("state_indices", None),
                 ("decode_prefix_len", None),
-                ("destination", KVTransferDestination.DEVICE),
+                ("destination", device_destination),
                 ("device_kv_indices", None),
             ),
             takes_original=True,

@@ -567,6 +567,7 @@ def decode_hooks_registered(registered: bool) -> None:
 
 
 NOT_ALL_HOOKS = "the decode's receive-staging hooks are not all registered"
+OTHER_PAGE_SIZE = "the prefill has another page size"
 
 
 # The decode's hooks. Each returns what sglang's own code returns (plus the
@@ -599,8 +600,10 @@ def metadata_message_hook(original: Any, manager: Any, *args: Any, **kwargs: Any
     gpu_planner's frame only (`page_sizes`); else with a part of the region lent to it."""
     if _is_decode(manager) and not args:
         repaged = page_sizes.metadata_frames(original, manager, kwargs)
-        if repaged is not None:
-            return repaged  # never staged: the staged chunks are in the decode's pages
+        if repaged is not None:  # never staged: a note's chunks are in the decode's pages
+            if REGIONS.existing(manager) is not None:
+                record_receive_fallback(OTHER_PAGE_SIZE)
+            return repaged
     frames = original(manager, *args, **kwargs)
     with best_effort("no receive staging lent", "receive staging not lent"):
         region = REGIONS.existing(manager) if _is_decode(manager) and not args else None

@@ -51,7 +51,9 @@ def route_answer(page_size: int) -> dict:
 class Pair:
     """A prefill of `prefill_page_size` and a decode of `decode_page_size`, connected."""
 
-    def __init__(self, engines, monkeypatch, prefill_page_size: int, decode_page_size: int):
+    def __init__(
+        self, engines, monkeypatch, prefill_page_size: int, decode_page_size: int, mla=False
+    ):
         prefill_engine, decode_engine = engines
         self.prefill_page_size, self.decode_page_size = prefill_page_size, decode_page_size
         self.source = KVPool(
@@ -75,7 +77,7 @@ class Pair:
             decode_page_size,
         )
         self.prefill = make_prefill_manager(
-            prefill_engine, kv_data_ptrs=self.source.ptrs, kv_data_lens=self.source.lens
+            prefill_engine, mla=mla, kv_data_ptrs=self.source.ptrs, kv_data_lens=self.source.lens
         )
         self.prefill.kv_args.page_size = prefill_page_size
         self.prefill.kv_args.kv_item_lens = self.source.item_lens
@@ -230,8 +232,8 @@ def _as_prefill(manager):
 def pairs(engines, monkeypatch):
     made: list[Pair] = []
 
-    def make(prefill_page_size: int, decode_page_size: int) -> Pair:
-        made.append(Pair(engines, monkeypatch, prefill_page_size, decode_page_size))
+    def make(prefill_page_size: int, decode_page_size: int, mla: bool = False) -> Pair:
+        made.append(Pair(engines, monkeypatch, prefill_page_size, decode_page_size, mla))
         return made[-1]
 
     yield make
@@ -356,3 +358,70 @@ def test_equal_page_sizes_go_as_today(monkeypatch, pairs):
     assert REPAGED_TAG not in frames
     np.testing.assert_array_equal(pair.parse(16, frames).dst_kv_indices, np.arange(3))
 
+
+def test_mla_flat_entries_land_every_sent_token(pairs):
+    """MLA: sglang's flat entries (one per buffer, by position)."""
+    pair = pairs(16, 64, mla=True)
+    rng = np.random.default_rng(8)
+    src_pages, dst_pages = shuffled_pages(rng, 40, 16), shuffled_pages(rng, 10, 64)
+    info = pair.parse(17, pair.metadata(17, dst_pages))
+    assert pair.send_chunks(info, src_pages.astype(np.int64), [0, 16, 40]) == [0, 0]
+    deliver_status(pair.prefill, pair.decode, 17, KV_POLL_SUCCESS)
+    assert pair.decode.request_status[17] == KV_POLL_SUCCESS
+    np.testing.assert_array_equal(
+        pair.destination.tensor.numpy(), pair.expected_pool(src_pages, dst_pages)
+    )
+
+
+def test_pipeline_stages_each_send_their_layers_and_both_must_declare(pairs):
+    """Prefill PP 2: each stage (its own process, its own parse of the metadata) sends its
+    layer's K and V; the request succeeds once both stages declared every sent token, and the
+    pool holds every layer's tokens."""
+    pair = pairs(64, 16)
+    rng = np.random.default_rng(9)
+    src_pages, dst_pages = shuffled_pages(rng, 10, 64), shuffled_pages(rng, 40, 16)
+    frames = pair.metadata(18, dst_pages)
+    pair.decode.required_prefill_response_num_table[18] = 2
+    for stage in range(2):
+        buffers = [stage, 2 + stage]  # this layer's K and V
+        prefill = make_prefill_manager(
+            pair.prefill.engine,
+            pp_size=2,
+            start_layer=stage,
+            end_layer=stage + 1,
+            kv_data_ptrs=[pair.source.ptrs[b] for b in buffers],
+            kv_data_lens=[pair.source.lens[b] for b in buffers],
+            pp_rank=stage,
+        )
+        prefill.kv_args.page_size = 64
+        prefill.decode_kv_args_table = pair.prefill.decode_kv_args_table
+        info = conn.TransferInfo.from_zmq(frames)  # this stage's own parse
+        prefill.transfer_infos[18] = {pair.session: info}
+        status = hooked_send()(
+            prefill,
+            mooncake_session_id=pair.session,
+            src_data_ptrs=[pair.source.ptrs[b] for b in buffers],
+            dst_data_ptrs=pair.destination.ptrs,
+            item_lens=[pair.source.item_lens[b] for b in buffers],
+            prefill_data_indices=src_pages.astype(np.int64),
+            dst_data_indices=info.dst_kv_indices[: len(src_pages)],
+            executor=None,
+        )
+        assert status == 0
+        deliver_status(prefill, pair.decode, 18, KV_POLL_SUCCESS)
+        assert pair.decode.request_status[18] != KV_POLL_FAILED, pair.decode.failure_records
+    assert pair.decode.request_status[18] == KV_POLL_SUCCESS
+    np.testing.assert_array_equal(
+        pair.destination.tensor.numpy(), pair.expected_pool(src_pages, dst_pages)
+    )
+
+
+def test_an_mha_prefill_of_another_attention_tp_keeps_sglangs_refusal(monkeypatch, pairs):
+    """Head-sliced sends are not served across page sizes: sglang's error, and why."""
+    pair = pairs(64, 16)
+    pair.decode.prefill_info_table.clear()
+    route = {**route_answer(64), "attn_tp_size": 2}
+    answer = types.SimpleNamespace(status_code=200, json=lambda: route)
+    monkeypatch.setattr(common_conn.requests, "get", lambda url, timeout: answer)
+    with pytest.raises(RuntimeError, match="Page size mismatch.*attention TP 2 and 1"):
+        conn.MooncakeKVManager.try_ensure_parallel_info(pair.decode, BOOTSTRAP)
