@@ -22,25 +22,24 @@ Prefill (`PrefillPageSizes`, one per process: sglang's parsers see no manager):
   gets `virtual_pages` in place of its (empty) destination pages: one per
   prefill page position, so that sglang's chunking by prefill pages cuts
   them exactly, with values past any registered buffer;
-- the send hooks resolve a chunk's slice of them (`chunk_for`) into the
-  decode's pages (`unit_send`: both sides as pages of `gcd` tokens,
-  `gpu_planner.page_geometry`), plan it as any send, and record the tokens
-  it covered, which the rank's Success declares. sglang's own code never
-  gets a virtual page: a send the hooks cannot plan fails (-1).
+- the send hooks (generic and head-sliced) resolve a chunk's slice of them
+  (`chunk_for`) into the decode's pages (`unit_send`: both sides as pages of
+  `gcd` tokens, `gpu_planner.page_geometry`), plan it as any send of that page
+  size, and record the tokens it covered, which the rank's Success declares.
+  sglang's own code never gets a virtual page: a send the hooks cannot plan
+  fails (-1).
 
 What is not served keeps sglang's refusal: state laid out per page (SWA,
-DSA, block scales, ...), decode context parallelism, sglang's own staging,
-unified memory, head-sliced sends between attention TP sizes, HiSparse's
-two page spaces, and a decode prefix that is not a whole number of the
-prefill's pages (the prefill's own page list for it would miss its last
-page; the request fails, naming both).
+DSA, block scales, ...), decode or prefill context parallelism, sglang's own
+staging, unified memory, HiSparse; a decode prefix that is not a whole number
+of the prefill's pages fails its request (the prefill's own page list for it
+would miss its last page).
 """
 
 from __future__ import annotations
 
 import contextvars
 import dataclasses
-import logging
 import threading
 import weakref
 from typing import Any
@@ -48,7 +47,7 @@ from typing import Any
 import numpy as np
 
 from gpu_planner.errors import PlanValidationError
-from gpu_planner.integration.sglang.fallback import best_effort, log_once
+from gpu_planner.integration.sglang.fallback import best_effort
 from gpu_planner.integration.sglang.page_size_wire import (
     Planned,
     declared_plan,
@@ -83,11 +82,6 @@ class DecodePageSizes:
     def __init__(self, manager: Any) -> None:
         self.page_size = int(manager.kv_args.page_size)
         self.session = manager.get_session_id()
-        self._attn_tp_size = getattr(manager, "attn_tp_size", None)
-        self._mla = bool(
-            getattr(manager, "is_mla_backend", False)
-            or getattr(manager, "is_hybrid_mla_backend", False)
-        )
         self._prefills: dict[str, int] = {}  # bootstrap address: its page size, where not ours
         self._rooms: dict[int, RepagedRoom] = {}
         self._declared: tuple[int, int, Planned | str | None] | None = None
@@ -95,12 +89,8 @@ class DecodePageSizes:
 
     def why_not(self, info: Any) -> str | None:
         """Why a prefill of `info` (another page size) is not served here, or None."""
-        prefill_tp = getattr(info, "attn_tp_size", None)
-        if not self._mla and prefill_tp is not None and prefill_tp != self._attn_tp_size:
-            return (
-                f"head-sliced sends between attention TP {prefill_tp} and {self._attn_tp_size} "
-                "are not served across page sizes"
-            )
+        if int(getattr(info, "attn_cp_size", 1) or 1) > 1:
+            return "prefill context parallelism splits a request's tokens across its ranks"
         return None
 
     def release(self) -> None:
@@ -538,5 +528,10 @@ def unit_send(
     )
 
 
-def log_unserved(why: str) -> None:
-    log_once(logging.WARNING, f"gpu_planner: other page sizes are not served: {why}", why)
+def unit_len(length: int, page_size: int, unit: int, field: str) -> int:
+    """Bytes of a unit page of `unit` tokens, from `length` bytes per page of `page_size`."""
+    if length <= 0 or length % page_size:
+        raise PlanValidationError(
+            f"{field}: {length} bytes are not whole tokens of a page of {page_size}"
+        )
+    return length // page_size * unit

@@ -28,7 +28,13 @@ from gpu_planner.integration.sglang.counters import record_send
 from gpu_planner.integration.sglang.entries import Entries, Entry, SendCall, transfer_entries
 from gpu_planner.integration.sglang.fallback import Fallback, current_send
 from gpu_planner.integration.sglang.layer_calls import submit_in_order
-from gpu_planner.integration.sglang.page_sizes import PREFILL, RepagedRoute, UnitSend, unit_send
+from gpu_planner.integration.sglang.page_sizes import (
+    PREFILL,
+    RepagedRoute,
+    UnitSend,
+    unit_len,
+    unit_send,
+)
 from gpu_planner.integration.sglang.path_cost import DIRECT, STAGED
 from gpu_planner.integration.sglang.send_path import generic_path, observe, send_staged
 from gpu_planner.integration.sglang.staged_send import StagedEntries
@@ -108,10 +114,10 @@ def _repaged_call(
     try:
         chunk = unit_send(route, position, src_pages, page_size)
         item_lens = [
-            _unit_len(length, page_size, chunk.unit, "item_lens") for length in call.item_lens
+            unit_len(length, page_size, chunk.unit, "item_lens") for length in call.item_lens
         ]
         dst_item_lens = call.dst_item_lens and [
-            _unit_len(length, route.decode_page_size, chunk.unit, "dst_item_lens")
+            unit_len(length, route.decode_page_size, chunk.unit, "dst_item_lens")
             for length in call.dst_item_lens
         ]
     except gp.PlanValidationError as error:
@@ -124,14 +130,6 @@ def _repaged_call(
         dst_item_lens=dst_item_lens,
     )
     return route, chunk, repaged
-
-
-def _unit_len(length: int, page_size: int, unit: int, field: str) -> int:
-    if length <= 0 or length % page_size:
-        raise gp.PlanValidationError(
-            f"{field}: {length} bytes are not whole tokens of a page of {page_size}"
-        )
-    return length // page_size * unit
 
 
 def _check_token_bytes(
@@ -151,10 +149,10 @@ def _check_token_bytes(
         int(ptr): int(length) / route.decode_page_size
         for ptr, length in zip(registration.dst_kv_ptrs, dst_lens, strict=False)
     }
-    for src_ptr, dst_ptr, unit_len in entries.entries:
-        if token_bytes.get(int(dst_ptr)) != unit_len / unit:
+    for src_ptr, dst_ptr, unit_bytes in entries.entries:
+        if token_bytes.get(int(dst_ptr)) != unit_bytes / unit:
             raise Fallback(
-                f"the buffer at {src_ptr:#x} holds {unit_len // unit} bytes per token on the "
+                f"the buffer at {src_ptr:#x} holds {unit_bytes // unit} bytes per token on the "
                 f"prefill (page size {manager.kv_args.page_size}), the decode's at {dst_ptr:#x} "
                 f"{token_bytes.get(int(dst_ptr))} (page size {route.decode_page_size})",
                 key="page sizes: bytes per token differ",

@@ -43,7 +43,13 @@ from gpu_planner.integration.sglang.adapter import check_manager, sglang_handoff
 from gpu_planner.integration.sglang.counters import record_send
 from gpu_planner.integration.sglang.fallback import Failed, Fallback, current_send
 from gpu_planner.integration.sglang.layer_calls import submit_in_order
-from gpu_planner.integration.sglang.page_sizes import PREFILL
+from gpu_planner.integration.sglang.page_sizes import (
+    PREFILL,
+    RepagedRoute,
+    UnitSend,
+    unit_len,
+    unit_send,
+)
 
 # What the hooks read of `kv_args`: the KV (or SWA state) buffers and their registered lengths.
 KV_FIELDS = ("kv_data_ptrs", "kv_data_lens", "kv_item_lens")
@@ -92,21 +98,27 @@ class SwaSliceCall:
 
 
 def send_kvcache_slice_hook(manager: conn.MooncakeKVManager, *args, **kwargs) -> int:
-    """sglang's head-sliced KV send, descriptors built compiled; same calls and status."""
+    """sglang's head-sliced KV send, descriptors built compiled; same calls and status.
+
+    Toward a decode of another page size (`page_sizes`) the chunk's pages are both sides'
+    unit pages, and a page of every buffer is a unit page: the same head slices per token.
+    """
     call = SliceCall(*args, **kwargs)
     check_manager(manager, KV_FIELDS)
-    if PREFILL.chunk_for(call.dst_kv_indices) is not None:  # a decode refuses this pair
-        current_send().refuse_fallback("its destination pages are in another page size")
-        raise Fallback("head-sliced sends between page sizes are not served", key="repaged slice")
     kv_args = manager.kv_args
     # sglang's own decisions, in its order (its exceptions surface as they would).
     src_kv_item_len = kv_args.kv_item_lens[0]
-    page_size = kv_args.page_size
+    geometry = SliceGeometry(kv_args.page_size, src_kv_item_len, call.dst_kv_item_len)
+    pages = (call.prefill_kv_indices, call.dst_kv_indices)
+    repaged = PREFILL.chunk_for(call.dst_kv_indices)
+    if repaged is not None:
+        current_send().refuse_fallback("its destination pages are in another page size")
+        route, chunk, geometry, pages = _repaged_slice(manager, call, geometry, *repaged)
     total_kv_heads = getattr(kv_args, "total_kv_head_num", 0)
     if total_kv_heads <= 0:
         total_kv_heads = kv_args.kv_head_num * manager.attn_tp_size
     dst_heads_per_rank = max(1, total_kv_heads // call.dst_attn_tp_size)
-    head_len = call.dst_kv_item_len // page_size // dst_heads_per_rank
+    head_len = geometry.dst_item_len // geometry.page_size // dst_heads_per_rank
     src_head_start, num_heads, dst_head_start, _ = compute_head_slice_params(
         manager.attn_tp_size,
         call.dst_attn_tp_size,
@@ -116,17 +128,17 @@ def send_kvcache_slice_hook(manager: conn.MooncakeKVManager, *args, **kwargs) ->
     )
     layer_pairs = _slice_layer_pairs(manager, call, src_kv_item_len)
     slice_len = num_heads * head_len
-    if slice_len > call.dst_kv_item_len // page_size:
+    if slice_len > geometry.dst_item_len // geometry.page_size:
         conn.logger.error(
             f"[{call.mooncake_session_id}] slice size ({slice_len}) exceeds "
-            f"target token slot size ({call.dst_kv_item_len // page_size})"
+            f"target token slot size ({geometry.dst_item_len // geometry.page_size})"
         )
         return -1
-    pages = _page_arrays(call.prefill_kv_indices, call.dst_kv_indices, lists=False)
+    pages = _page_arrays(*pages, lists=False)
     try:
         _check_kv_slice_bounds(
             manager,
-            call,
+            geometry,
             [src for src, _ in layer_pairs],
             pages,
             (src_head_start * head_len, dst_head_start * head_len),
@@ -139,27 +151,63 @@ def send_kvcache_slice_hook(manager: conn.MooncakeKVManager, *args, **kwargs) ->
     with _planner_rejections():
         layout = _kv_slice_layout(
             tuple(layer_pairs),
-            page_size,
-            src_kv_item_len,
-            call.dst_kv_item_len,
+            geometry.page_size,
+            geometry.src_item_len,
+            geometry.dst_item_len,
             src_head_start * head_len,
             dst_head_start * head_len,
             slice_len,
         )
         decision = send_path.slice_path(
-            manager, session, layout, pages, call.dst_kv_indices, call.dst_attn_tp_size
+            manager, session, layout, pages, pages[1], call.dst_attn_tp_size
         )
         if decision.path == send_path.STAGED:
             return send_path.send_staged(
                 manager, session, decision, pages[0], call.executor, started
             )
         if decision.path == send_path.GATHERED:
-            return gathered.write_gathered(
+            status = gathered.write_gathered(
                 manager, session, decision.gathered_send, decision.lease, pages[0],
                 call.executor, started,
             )  # fmt: skip
-        descriptors = _build(layout, pages)
-    return _send_layers(manager, session, descriptors, call.executor, started)
+        else:
+            descriptors = _build(layout, pages)
+            status = _send_layers(manager, session, descriptors, call.executor, started)
+    if status == 0 and repaged is not None:
+        PREFILL.planned(route, chunk.first, chunk.end)
+    return status
+
+
+@dataclasses.dataclass(frozen=True)
+class SliceGeometry:
+    """Tokens per page, and each side's bytes per page of a KV buffer, as a slice send plans."""
+
+    page_size: int
+    src_item_len: int
+    dst_item_len: int
+
+
+def _repaged_slice(
+    manager: conn.MooncakeKVManager,
+    call: SliceCall,
+    geometry: SliceGeometry,
+    route: RepagedRoute,
+    position: int,
+) -> tuple[RepagedRoute, UnitSend, SliceGeometry, tuple[np.ndarray, np.ndarray]]:
+    """A chunk toward a decode of another page size as a slice send of unit pages."""
+    src_pages = call.prefill_kv_indices
+    if not (isinstance(src_pages, np.ndarray) and src_pages.ndim == 1):
+        raise Fallback("page indices are not 1-D NumPy arrays")
+    try:
+        chunk = unit_send(route, position, src_pages, geometry.page_size)
+        unit = SliceGeometry(
+            chunk.unit,
+            unit_len(geometry.src_item_len, geometry.page_size, chunk.unit, "kv_item_lens"),
+            unit_len(geometry.dst_item_len, route.decode_page_size, chunk.unit, "dst_kv_item_len"),
+        )
+    except PlanValidationError as error:
+        raise Fallback(f"a send to another page size cannot be planned ({error})") from None
+    return route, chunk, unit, (chunk.src_pages, chunk.dst_pages)
 
 
 @contextlib.contextmanager
@@ -173,7 +221,7 @@ def _planner_rejections() -> Iterator[None]:
 
 def _check_kv_slice_bounds(
     manager: conn.MooncakeKVManager,
-    call: SliceCall,
+    geometry: SliceGeometry,
     src_ptrs: list[int],
     pages: tuple[np.ndarray, np.ndarray],
     head_offsets: tuple[int, int],
@@ -187,9 +235,8 @@ def _check_kv_slice_bounds(
     """
     if not pages[0].size:
         return  # sglang makes no engine call
-    page_size = manager.kv_args.page_size
-    src_item_len = manager.kv_args.kv_item_lens[0]
-    token_lens = (src_item_len // page_size, call.dst_kv_item_len // page_size)
+    page_size, src_item_len = geometry.page_size, geometry.src_item_len
+    token_lens = (src_item_len // page_size, geometry.dst_item_len // page_size)
     for side, offset, token_len in zip(
         ("source", "destination"), head_offsets, token_lens, strict=True
     ):

@@ -14,6 +14,7 @@ pool must hold, for every sent token, the prefill's bytes of that token
 
 from __future__ import annotations
 
+import concurrent.futures
 import inspect
 import types
 
@@ -22,8 +23,10 @@ import pytest
 from sglang.srt.disaggregation.common import conn as common_conn
 from sglang_plugin_support import KVPool, conn, deliver_status, hooked_send, make_decode_manager
 from sglang_plugin_support import make_manager as make_prefill_manager
+from suite_support import set_knob
 
-from gpu_planner.integration.sglang import counters, page_sizes, receive_staging
+from gpu_planner import settings
+from gpu_planner.integration.sglang import counters, page_sizes, receive_staging, send_slots
 from gpu_planner.integration.sglang.frames import KVRegistration, TransferRequest
 from gpu_planner.integration.sglang.page_size_wire import PLANNED_TAG, REPAGED_TAG
 
@@ -52,20 +55,27 @@ class Pair:
     """A prefill of `prefill_page_size` and a decode of `decode_page_size`, connected."""
 
     def __init__(
-        self, engines, monkeypatch, prefill_page_size: int, decode_page_size: int, mla=False
+        self,
+        engines,
+        monkeypatch,
+        prefill_page_size: int,
+        decode_page_size: int,
+        mla=False,
+        token_bytes: tuple[list[int], list[int]] = (TOKEN_BYTES, TOKEN_BYTES),
     ):
         prefill_engine, decode_engine = engines
         self.prefill_page_size, self.decode_page_size = prefill_page_size, decode_page_size
+        self.token_bytes = token_bytes  # (prefill, decode) bytes per token of each buffer
         self.source = KVPool(
             prefill_engine,
-            [n * prefill_page_size for n in TOKEN_BYTES],
+            [n * prefill_page_size for n in token_bytes[0]],
             "random",
             prefill_page_size,
             pages=POOL_TOKENS // prefill_page_size,
         )
         self.destination = KVPool(
             decode_engine,
-            [n * decode_page_size for n in TOKEN_BYTES],
+            [n * decode_page_size for n in token_bytes[1]],
             "zeros",
             pages=POOL_TOKENS // decode_page_size,
         )
@@ -179,10 +189,14 @@ class Pair:
             )
         return statuses
 
-    def expected_pool(self, src_pages: np.ndarray, dst_pages: np.ndarray) -> np.ndarray:
+    def expected_pool(
+        self, src_pages: np.ndarray, dst_pages: np.ndarray, heads=None, expected=None
+    ) -> np.ndarray:
         """The decode's pool after every sent token's bytes landed in its slot: the tokens of
-        the prefill's pages, up to the decode's last page (a token walk)."""
-        expected = np.zeros_like(self.destination.tensor.numpy())
+        the prefill's pages, up to the decode's last page (a token walk); `heads` (source
+        offset, destination offset, bytes) of each token's head slice, else whole tokens."""
+        if expected is None:
+            expected = np.zeros_like(self.destination.tensor.numpy())
         source = self.source.tensor.numpy()
         sent = min(len(src_pages) * self.prefill_page_size, len(dst_pages) * self.decode_page_size)
         tokens = np.arange(sent)
@@ -190,11 +204,13 @@ class Pair:
         src_slots += tokens % self.prefill_page_size
         dst_slots = dst_pages[tokens // self.decode_page_size] * self.decode_page_size
         dst_slots += tokens % self.decode_page_size
-        for buffer, width in enumerate(TOKEN_BYTES):
-            src_base, dst_base = self.source.offsets[buffer], self.destination.offsets[buffer]
+        for buffer, (src_width, dst_width) in enumerate(zip(*self.token_bytes, strict=True)):
+            src_offset, dst_offset, width = heads or (0, 0, src_width)
+            src_base = self.source.offsets[buffer] + src_offset
+            dst_base = self.destination.offsets[buffer] + dst_offset
             byte = np.arange(width)
-            src_bytes = src_base + (src_slots[:, None] * width + byte).reshape(-1)
-            dst_bytes = dst_base + (dst_slots[:, None] * width + byte).reshape(-1)
+            src_bytes = src_base + (src_slots[:, None] * src_width + byte).reshape(-1)
+            dst_bytes = dst_base + (dst_slots[:, None] * dst_width + byte).reshape(-1)
             expected[dst_bytes] = source[src_bytes]
         return expected
 
@@ -230,10 +246,13 @@ def _as_prefill(manager):
 
 @pytest.fixture
 def pairs(engines, monkeypatch):
+    set_knob(monkeypatch, settings.GATHER_STAGING_BYTES.name, str(4 << 20))  # 1 MiB slots
+    settings.load()
     made: list[Pair] = []
 
-    def make(prefill_page_size: int, decode_page_size: int, mla: bool = False) -> Pair:
-        made.append(Pair(engines, monkeypatch, prefill_page_size, decode_page_size, mla))
+    def make(prefill_page_size: int, decode_page_size: int, mla=False, token_bytes=None) -> Pair:
+        widths = token_bytes or (TOKEN_BYTES, TOKEN_BYTES)
+        made.append(Pair(engines, monkeypatch, prefill_page_size, decode_page_size, mla, widths))
         return made[-1]
 
     yield make
@@ -416,12 +435,87 @@ def test_pipeline_stages_each_send_their_layers_and_both_must_declare(pairs):
     )
 
 
-def test_an_mha_prefill_of_another_attention_tp_keeps_sglangs_refusal(monkeypatch, pairs):
-    """Head-sliced sends are not served across page sizes: sglang's error, and why."""
+def test_a_context_parallel_prefill_keeps_sglangs_refusal(monkeypatch, pairs):
+    """Prefill CP splits a request's tokens across ranks: sglang's error, and why."""
     pair = pairs(64, 16)
     pair.decode.prefill_info_table.clear()
-    route = {**route_answer(64), "attn_tp_size": 2}
+    route = {**route_answer(64), "attn_cp_size": 2}
     answer = types.SimpleNamespace(status_code=200, json=lambda: route)
     monkeypatch.setattr(common_conn.requests, "get", lambda url, timeout: answer)
-    with pytest.raises(RuntimeError, match="Page size mismatch.*attention TP 2 and 1"):
+    with pytest.raises(RuntimeError, match="Page size mismatch.*context parallelism"):
         conn.MooncakeKVManager.try_ensure_parallel_info(pair.decode, BOOTSTRAP)
+
+
+HEAD_BYTES = 8
+SLICE_EXECUTOR = concurrent.futures.ThreadPoolExecutor(2)  # sglang's per-layer calls
+
+
+@pytest.mark.parametrize(("prefill_page_size", "decode_page_size"), [(64, 16), (16, 64), (16, 1)])
+@pytest.mark.parametrize(("prefill_tp", "decode_tp"), [(2, 1), (1, 2)])
+def test_head_slices_between_attention_tp_sizes_land_every_sent_token(
+    pairs, prefill_page_size, decode_page_size, prefill_tp, decode_tp
+):
+    """MHA with 4 KV heads, prefill TP 2 -> decode TP 1 (each prefill rank sends its heads into
+    every decode token: both must declare) and TP 1 -> TP 2 (the prefill sends each decode rank
+    its heads; here rank 1): every sent token's head slice in its decode slot."""
+    heads = 4
+    prefill_heads, decode_heads = heads // prefill_tp, heads // decode_tp
+    layers = 2
+    widths = ([prefill_heads * HEAD_BYTES] * 2 * layers, [decode_heads * HEAD_BYTES] * 2 * layers)
+    pair = pairs(prefill_page_size, decode_page_size, token_bytes=widths)
+    rng = np.random.default_rng(prefill_page_size + decode_page_size + prefill_tp)
+    tokens = 300
+    src_pages = shuffled_pages(rng, -(-tokens // prefill_page_size), prefill_page_size)
+    dst_pages = shuffled_pages(rng, -(-tokens // decode_page_size), decode_page_size)
+    frames = pair.metadata(19, dst_pages)
+    pair.decode.required_prefill_response_num_table[19] = max(prefill_tp // decode_tp, 1)
+    expected = None
+    decode_rank = 1 if decode_tp > 1 else 0
+    before = counters.snapshot()["sends"]
+    ranks = max(prefill_tp // decode_tp, 1)
+    for rank in range(ranks):
+        prefill = make_prefill_manager(
+            pair.prefill.engine,
+            kv_data_ptrs=pair.source.ptrs,
+            kv_data_lens=pair.source.lens,
+            attn_tp_rank=rank,
+        )
+        prefill.attn_tp_size = prefill_tp
+        kv_args = prefill.kv_args
+        kv_args.page_size, kv_args.kv_item_lens = prefill_page_size, pair.source.item_lens
+        kv_args.kv_layer_ids, kv_args.engine_rank = [], rank
+        kv_args.kv_head_num, kv_args.total_kv_head_num = prefill_heads, heads
+        prefill.decode_kv_args_table = pair.prefill.decode_kv_args_table
+        info = conn.TransferInfo.from_zmq(frames)  # this rank's own parse
+        prefill.transfer_infos[19] = {pair.session: info}
+        cuts = [0, len(src_pages) // 2, len(src_pages)]
+        for first, end in zip(cuts[:-1], cuts[1:], strict=True):
+            status = conn.MooncakeKVManager.send_kvcache_slice(
+                prefill,
+                pair.session,
+                src_pages[first:end].astype(np.int64),
+                pair.destination.ptrs,
+                info.dst_kv_indices[first:end],
+                decode_rank,
+                decode_tp,
+                pair.destination.item_lens[0],
+                SLICE_EXECUTOR,
+            )
+            assert status == 0
+        send_slots.SEND_SLOTS.release(prefill)
+        deliver_status(prefill, pair.decode, 19, KV_POLL_SUCCESS)
+        # prefill rank r holds heads [r * prefill_heads, ...); decode rank d [d * decode_heads, ...)
+        first_head = max(rank * prefill_heads, decode_rank * decode_heads)
+        sent_heads = min(prefill_heads, decode_heads) * HEAD_BYTES
+        src_offset = (first_head - rank * prefill_heads) * HEAD_BYTES
+        dst_offset = (first_head - decode_rank * decode_heads) * HEAD_BYTES
+        expected = pair.expected_pool(
+            src_pages, dst_pages, (src_offset, dst_offset, sent_heads), expected
+        )
+    assert pair.decode.request_status[19] == KV_POLL_SUCCESS, pair.decode.failure_records
+    np.testing.assert_array_equal(pair.destination.tensor.numpy(), expected)
+    # TP-up: gathered into send slots as whole (unit) decode pages; TP-down: per token.
+    path = "gathered/arrays" if prefill_tp < decode_tp else "slice/arrays"
+    assert counters.snapshot()["sends"].get(path, 0) - before.get(path, 0) == 2 * ranks, (
+        counters.snapshot()["paths_chosen"]
+    )
