@@ -31,7 +31,9 @@ Prefill (`PrefillPageSizes`, one per process: sglang's parsers see no manager):
 
 What is not served keeps sglang's refusal: state laid out per page (SWA,
 DSA, block scales, ...), decode or prefill context parallelism, sglang's own
-staging, unified memory, HiSparse; a decode prefix that is not a whole number
+staging, unified memory, the KV checksum, HiSparse, and the decode's radix
+cache toward a prefill whose page size does not divide the decode's; a decode
+prefix that is not a whole number
 of the prefill's pages fails its request (the prefill's own page list for it
 would miss its last page).
 """
@@ -91,6 +93,13 @@ class DecodePageSizes:
         """Why a prefill of `info` (another page size) is not served here, or None."""
         if int(getattr(info, "attn_cp_size", 1) or 1) > 1:
             return "prefill context parallelism splits a request's tokens across its ranks"
+        if self.page_size % info.page_size and _setting(
+            "disagg", "disaggregation_decode_enable_radix_cache"
+        ):
+            return (
+                f"the decode's radix cache offers prefixes of whole pages of {self.page_size} "
+                f"tokens, where a prefill of page size {info.page_size} cannot start a send"
+            )
         return None
 
     def release(self) -> None:
@@ -208,17 +217,21 @@ def why_unserved(manager: Any) -> str | None:
         return "sglang's own staging (SGLANG_DISAGG_STAGING_BUFFER) addresses pages itself"
     if getattr(kv_args, "mla_compression_ratios", None) is not None:
         return "HiSparse's compressed host pages are not served across page sizes"
-    if _unified_memory():
+    if _setting("memory", "enable_unified_memory"):
         return "unified memory registers one envelope addressed by the decode's page size"
+    if _setting("disagg", "disaggregation_enable_kv_checksum"):
+        return "the KV checksum digests whole pages of each side's page size"
     return None
 
 
-def _unified_memory() -> bool:
-    from sglang.srt.runtime_context import get_memory  # sglang's global memory settings
+def _setting(bag: str, name: str) -> bool:
+    """sglang's global setting `name` of config bag `bag`; False (sglang's default) where the
+    settings are not initialised (a unit test's manager)."""
+    from sglang.srt import runtime_context
 
     try:
-        return bool(get_memory().enable_unified_memory)
-    except Exception:  # settings not initialised (a unit test's manager): sglang's default
+        return bool(getattr(getattr(runtime_context, f"get_{bag}")(), name))
+    except Exception:
         return False
 
 

@@ -20,6 +20,7 @@ import types
 
 import numpy as np
 import pytest
+from sglang.srt import runtime_context
 from sglang.srt.disaggregation.common import conn as common_conn
 from sglang_plugin_support import KVPool, conn, deliver_status, hooked_send, make_decode_manager
 from sglang_plugin_support import make_manager as make_prefill_manager
@@ -519,3 +520,36 @@ def test_head_slices_between_attention_tp_sizes_land_every_sent_token(
     assert counters.snapshot()["sends"].get(path, 0) - before.get(path, 0) == 2 * ranks, (
         counters.snapshot()["paths_chosen"]
     )
+
+
+@pytest.mark.parametrize(
+    ("bag", "setting", "reason"),
+    [
+        ("disagg", "disaggregation_enable_kv_checksum", "KV checksum digests whole pages"),
+        ("memory", "enable_unified_memory", "unified memory registers one envelope"),
+    ],
+)
+def test_a_setting_that_addresses_pages_keeps_sglangs_refusal(
+    monkeypatch, pairs, bag, setting, reason
+):
+    pair = pairs(64, 16)
+    page_sizes.DECODES.release(pair.decode)
+    monkeypatch.setattr(
+        runtime_context, f"get_{bag}", lambda: types.SimpleNamespace(**{setting: True})
+    )
+    with pytest.raises(RuntimeError, match=f"Page size mismatch.*{reason}"):
+        pair.connect(monkeypatch)
+
+
+def test_the_decodes_radix_cache_refuses_a_prefill_whose_pages_it_cannot_start_at(
+    monkeypatch, pairs
+):
+    """With the decode's radix cache on, a prefill page that does not divide the decode's would
+    make prefix hits fail: refused at connection; a finer prefill is served."""
+    fine, coarse = pairs(16, 64), pairs(64, 16)
+    flags = types.SimpleNamespace(disaggregation_decode_enable_radix_cache=True)
+    monkeypatch.setattr(runtime_context, "get_disagg", lambda: flags)
+    assert fine.connect(monkeypatch)  # 16 divides 64: every decode prefix is whole pages of 16
+    assert fine.decode.prefill_info_table[BOOTSTRAP].page_size == 16
+    with pytest.raises(RuntimeError, match="radix cache offers prefixes of whole pages of 16"):
+        coarse.connect(monkeypatch)
