@@ -44,6 +44,8 @@ from bench.sglang_manager import (  # noqa: E402  (after sglang's import)
 __all__ = [
     "ORIGINALS",
     "KVPool",
+    "hooked_metadata",
+    "registration_frames",
     "FailureRecorder",
     "RecordingEngine",
     "common",
@@ -105,6 +107,55 @@ class KVPool:
         item_len = self.item_lens[buffer]
         start = self.offsets[buffer] + page * item_len
         return slice(start, start + item_len)
+
+
+def registration_frames(pool, session: str) -> list[bytes]:
+    """sglang's 20 KV-registration frames of a decode at `session` whose KV buffers are `pool`'s
+    (its `ptrs`, `item_lens`, `lens`), before any hook adds to them."""
+    from gpu_planner.integration.sglang.frames import KVRegistration
+
+    return KVRegistration(
+        endpoint="127.0.0.1",
+        port=17000,
+        session_id=session,
+        ptrs=pool.ptrs,
+        item_lens=pool.item_lens,
+        lens=pool.lens,
+        is_device=[False] * len(pool.ptrs),
+    ).to_frames()[:20]
+
+
+def hooked_metadata(
+    decode, room: int, session: str, host_pages, device_pages=None, prefix: int = 0
+) -> list[bytes]:
+    """A decode's metadata for `room` through the hooked builder (`receive_staging`): sglang's
+    ten frames, made from what the hooks pass sglang's builder, and what the hooks add."""
+    from gpu_planner.integration.sglang import receive_staging
+    from gpu_planner.integration.sglang.frames import TransferRequest
+
+    def build(_, **kwargs) -> list[bytes]:
+        return TransferRequest(
+            room=room,
+            endpoint="127.0.0.1",
+            port=17000,
+            session_id=session,
+            host_pages=kwargs["kv_indices"],
+            device_pages=kwargs["device_kv_indices"],
+            decode_prefix_len=kwargs["decode_prefix_len"],
+        ).to_frames()
+
+    return receive_staging.metadata_message_hook(
+        build,
+        decode,
+        bootstrap_room=room,
+        required_dst_info_num=1,
+        kv_indices=host_pages,
+        aux_index=0,
+        state_indices=None,
+        decode_prefix_len=prefix,
+        is_dummy=False,
+        device_kv_indices=device_pages,
+    )
 
 
 def deliver_status(prefill, decode, room: int, status: int, failure_reason=None) -> None:

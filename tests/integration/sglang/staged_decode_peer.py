@@ -114,10 +114,9 @@ def decode_peer(connection: Connection, kind: str, item_lens: list[int], device_
         from sglang.srt.distributed.device_communicators.mooncake_transfer_engine import (
             MooncakeTransferEngine,
         )
-    from sglang_plugin_support import conn, make_decode_manager
+    from sglang_plugin_support import conn, make_decode_manager, registration_frames
 
     from gpu_planner.integration.sglang import receive_staging
-    from gpu_planner.integration.sglang.frames import KVRegistration
     from gpu_planner.kernels import head_scatter
 
     with placement.runtime() as runtime:
@@ -130,15 +129,7 @@ def decode_peer(connection: Connection, kind: str, item_lens: list[int], device_
         placement.warm_up()
         compiles = count_compiles()
         scatters = CountedCalls(head_scatter, "launch_scatter_head_slices")
-        frames = KVRegistration(
-            endpoint="127.0.0.1",
-            port=17000,
-            session_id=engine.session_id,
-            ptrs=pool.ptrs,
-            item_lens=item_lens,
-            lens=pool.lens,
-            is_device=[False] * len(item_lens),
-        ).to_frames()[:20]
+        frames = registration_frames(pool, engine.session_id)
         frames = receive_staging.registration_message_hook(lambda _: frames, decode)
         first_device = len(item_lens) - device_buffers
         connection.send((engine.session_id, frames, pool.ptrs[first_device:], reference.ptrs))
@@ -182,29 +173,9 @@ def _metadata(
     decode, session: str, room: int, host_pages: np.ndarray, device_pages: np.ndarray | None
 ):
     """The decode's metadata message for `room`, built through the plugin's hook."""
-    from gpu_planner.integration.sglang import receive_staging
-    from gpu_planner.integration.sglang.frames import TransferRequest
+    from sglang_plugin_support import hooked_metadata  # after sglang's import (`serve`)
 
     decode.request_status[room] = KV_POLL_TRANSFERRING
     decode.prefill_response_tracker[room] = set()
     decode.required_prefill_response_num_table[room] = 1
-    frames = TransferRequest(
-        room=room,
-        endpoint="127.0.0.1",
-        port=17000,
-        session_id=session,
-        host_pages=host_pages,
-        device_pages=device_pages,
-    ).to_frames()
-    return receive_staging.metadata_message_hook(
-        lambda _, **kwargs: frames,
-        decode,
-        bootstrap_room=room,
-        required_dst_info_num=1,
-        kv_indices=host_pages,
-        aux_index=0,
-        state_indices=None,
-        decode_prefix_len=0,
-        is_dummy=False,
-        device_kv_indices=device_pages,
-    )
+    return hooked_metadata(decode, room, session, host_pages, device_pages)

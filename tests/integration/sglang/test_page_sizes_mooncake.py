@@ -22,13 +22,20 @@ import numpy as np
 import pytest
 from sglang.srt import runtime_context
 from sglang.srt.disaggregation.common import conn as common_conn
-from sglang_plugin_support import KVPool, conn, deliver_status, hooked_send, make_decode_manager
+from sglang_plugin_support import (
+    KVPool,
+    conn,
+    deliver_status,
+    hooked_metadata,
+    hooked_send,
+    make_decode_manager,
+    registration_frames,
+)
 from sglang_plugin_support import make_manager as make_prefill_manager
 from suite_support import set_knob
 
 from gpu_planner import settings
 from gpu_planner.integration.sglang import counters, page_sizes, receive_staging, send_slots
-from gpu_planner.integration.sglang.frames import KVRegistration, TransferRequest
 from gpu_planner.integration.sglang.page_size_wire import PLANNED_TAG, REPAGED_TAG
 
 POOL_TOKENS = 1024  # each side's pool, in tokens
@@ -115,15 +122,7 @@ class Pair:
         return conn.MooncakeKVManager.try_ensure_parallel_info(self.decode, BOOTSTRAP)
 
     def register(self) -> None:
-        frames = KVRegistration(
-            endpoint="127.0.0.1",
-            port=17000,
-            session_id=self.session,
-            ptrs=self.destination.ptrs,
-            item_lens=self.destination.item_lens,
-            lens=self.destination.lens,
-            is_device=[False] * len(self.destination.ptrs),
-        ).to_frames()[:20]
+        frames = registration_frames(self.destination, self.session)
         sent = receive_staging.registration_message_hook(lambda _: frames, self.decode)
         self.prefill.decode_kv_args_table[self.session] = conn.KVArgsRegisterInfo.from_zmq(sent)
 
@@ -133,29 +132,8 @@ class Pair:
         self.decode.prefill_response_tracker[room] = set()
         self.decode.required_prefill_response_num_table[room] = 1
 
-        def build(_, **kwargs) -> list[bytes]:
-            return TransferRequest(
-                room=room,
-                endpoint="127.0.0.1",
-                port=17000,
-                session_id=self.session,
-                host_pages=kwargs["kv_indices"],
-                decode_prefix_len=kwargs["decode_prefix_len"],
-            ).to_frames()
-
         def send_metadata(receiver) -> list[bytes]:
-            return receive_staging.metadata_message_hook(
-                build,
-                self.decode,
-                bootstrap_room=room,
-                required_dst_info_num=1,
-                kv_indices=decode_pages,
-                aux_index=0,
-                state_indices=None,
-                decode_prefix_len=prefix,
-                is_dummy=False,
-                device_kv_indices=None,
-            )
+            return hooked_metadata(self.decode, room, self.session, decode_pages, prefix=prefix)
 
         receiver = types.SimpleNamespace(bootstrap_addr=BOOTSTRAP)
         return page_sizes.send_metadata_hook(send_metadata, receiver)

@@ -22,13 +22,13 @@ import torch
 from hypothesis import HealthCheck, example, given
 from hypothesis import settings as hypothesis_settings
 from hypothesis import strategies as st
-from sglang_plugin_support import conn, make_decode_manager
+from sglang_plugin_support import conn, make_decode_manager, registration_frames
 from suite_support import set_knob
 
 from gpu_planner import settings
 from gpu_planner.cuda_runtime import cuda_runtime
 from gpu_planner.integration.sglang import counters, page_sizes, prefill_routes, receive_staging
-from gpu_planner.integration.sglang.frames import KVRegistration, TransferRequest
+from gpu_planner.integration.sglang.frames import TransferRequest
 from gpu_planner.integration.sglang.staging_wire import (
     DECLARED_TAG,
     STAGED_TAG,
@@ -104,18 +104,6 @@ def decode_manager(
     )
 
 
-def registration_frames(pool: Pool) -> list[bytes]:
-    return KVRegistration(
-        endpoint="127.0.0.1",
-        port=17000,
-        session_id=SESSION,
-        ptrs=pool.ptrs,
-        item_lens=pool.item_lens,
-        lens=pool.lens,
-        is_device=[False] * len(pool.ptrs),
-    ).to_frames()[:20]
-
-
 class Decode:
     """One decode manager and the hooked calls sglang makes on it."""
 
@@ -131,7 +119,7 @@ class Decode:
 
     def advertise(self) -> tuple[list[bytes], list[bytes]]:
         """(sglang's registration frames, what the hooked builder returns)."""
-        frames = registration_frames(self.pool)
+        frames = registration_frames(self.pool, SESSION)
         return frames, receive_staging.registration_message_hook(lambda _: frames, self.manager)
 
     def request(self, room, host_pages, device_pages=None, is_dummy=False):
@@ -1105,7 +1093,7 @@ def registered(pool_frames: list[bytes], extra: list[bytes]):
 
 
 def test_a_capability_is_kept_per_decode_session(prefill):
-    frames = registration_frames(Pool(ITEM_LENS, 0))
+    frames = registration_frames(Pool(ITEM_LENS, 0), SESSION)
     info, ignored = registered(frames, CAPABILITY.frames())
     assert info == REGISTRATION_FROM_ZMQ(conn.KVArgsRegisterInfo, frames)
     assert prefill_routes.ROUTES.capability(SESSION) == CAPABILITY and ignored == 0
@@ -1123,7 +1111,7 @@ def test_a_capability_is_kept_per_decode_session(prefill):
     ],
 )
 def test_a_hostile_capability_is_ignored_and_the_peer_forgotten(prefill, extra):
-    frames = registration_frames(Pool(ITEM_LENS, 0))
+    frames = registration_frames(Pool(ITEM_LENS, 0), SESSION)
     registered(frames, CAPABILITY.frames())
     info, ignored = registered(frames, extra)  # never raises
     assert info == REGISTRATION_FROM_ZMQ(conn.KVArgsRegisterInfo, frames)
@@ -1147,7 +1135,7 @@ def parsed(msg: list[bytes]):
 
 
 def test_a_reservation_gives_the_request_a_route(prefill):
-    registered(registration_frames(Pool(ITEM_LENS, 0)), CAPABILITY.frames())
+    registered(registration_frames(Pool(ITEM_LENS, 0), SESSION), CAPABILITY.frames())
     pages = distinct_pages(0, 10)
     reservation = Reservation(3, 4096, 10 * PAGE_BYTES, 10)
     info, ignored = parsed(transfer_message(77, pages, reservation.frames()))
@@ -1185,7 +1173,7 @@ def test_a_reservation_gives_the_request_a_route(prefill):
     ],
 )
 def test_a_reservation_that_does_not_fit_records_no_route(prefill, reservation, pages):
-    registered(registration_frames(Pool(ITEM_LENS, 0)), CAPABILITY.frames())
+    registered(registration_frames(Pool(ITEM_LENS, 0), SESSION), CAPABILITY.frames())
     msg = transfer_message(77, distinct_pages(0, pages), reservation.frames())
     info, ignored = parsed(msg)
     assert ignored == 1
@@ -1203,7 +1191,7 @@ def test_no_route_without_a_capability_or_for_a_dummy(prefill):
     assert (
         ignored == 0 and prefill_routes.ROUTES.route_for(info.dst_kv_indices) is None
     )  # unknown peer
-    registered(registration_frames(Pool(ITEM_LENS, 0)), CAPABILITY.frames())
+    registered(registration_frames(Pool(ITEM_LENS, 0), SESSION), CAPABILITY.frames())
     info, ignored = parsed(transfer_message(78, distinct_pages(0, 10), [], dummy=False))
     assert prefill_routes.ROUTES.lent_requests == 0  # no reservation frames
     dummy = transfer_message(79, distinct_pages(0, 10), reservation.frames(), dummy=True)
@@ -1242,7 +1230,7 @@ def test_the_status_and_chunk_hooks_pass_an_unhashable_managers_calls_to_sglang(
 )
 def test_a_region_overlapping_the_decodes_kv_is_ignored(prefill, where):
     pool = Pool(ITEM_LENS, 0)
-    frames = registration_frames(pool)
+    frames = registration_frames(pool, SESSION)
     address = pool.ptrs[0] - 256 if where == "a KV buffer's base" else pool.ptrs[1] + 8
     info, ignored = registered(frames, Capability(address, 4096).frames())
     assert info == REGISTRATION_FROM_ZMQ(conn.KVArgsRegisterInfo, frames)
@@ -1254,7 +1242,7 @@ def test_a_prefills_success_declares_its_notes_per_lent_request(prefill):
     the room and how many notes it sent; other statuses and unlent rooms are sglang's."""
     from sglang_plugin_support import make_manager
 
-    registered(registration_frames(Pool(ITEM_LENS, 0)), CAPABILITY.frames())
+    registered(registration_frames(Pool(ITEM_LENS, 0), SESSION), CAPABILITY.frames())
     reservation = Reservation(3, 4096, 10 * PAGE_BYTES, 10)
     info, _ = parsed(transfer_message(77, distinct_pages(0, 10), reservation.frames()))
     route, _ = prefill_routes.ROUTES.route_for(info.dst_kv_indices)

@@ -28,9 +28,11 @@ from sglang_plugin_support import (
     KVPool,
     conn,
     deliver_status,
+    hooked_metadata,
     hooked_send,
     make_decode_manager,
     make_manager,
+    registration_frames,
 )
 from suite_support import set_knob
 
@@ -45,7 +47,7 @@ from gpu_planner.integration.sglang import (
     send_slots,
     staged_send,
 )
-from gpu_planner.integration.sglang.frames import KVRegistration, TransferRequest
+from gpu_planner.integration.sglang.frames import TransferRequest
 from gpu_planner.integration.sglang.staging_wire import STAGED_TAG
 from gpu_planner.kernels import interpreter_enabled
 
@@ -115,15 +117,7 @@ class Deployment:
         self._register()
 
     def _register(self) -> None:
-        frames = KVRegistration(
-            endpoint="127.0.0.1",
-            port=17000,
-            session_id=self.session,
-            ptrs=self.destination.ptrs,
-            item_lens=self.destination.item_lens,
-            lens=self.destination.lens,
-            is_device=[False] * len(self.destination.ptrs),
-        ).to_frames()[:20]
+        frames = registration_frames(self.destination, self.session)
         info = conn.KVArgsRegisterInfo.from_zmq(self._advertise(frames))
         self.prefill.decode_kv_args_table[self.session] = info
 
@@ -136,26 +130,7 @@ class Deployment:
         self.decode.request_status[room] = KV_POLL_TRANSFERRING
         self.decode.prefill_response_tracker[room] = set()
         self.decode.required_prefill_response_num_table[room] = 1
-        frames = TransferRequest(
-            room=room,
-            endpoint="127.0.0.1",
-            port=17000,
-            session_id=self.session,
-            host_pages=host_pages,
-            device_pages=device_pages,
-        ).to_frames()
-        frames = receive_staging.metadata_message_hook(
-            lambda _, **kwargs: frames,
-            self.decode,
-            bootstrap_room=room,
-            required_dst_info_num=1,
-            kv_indices=host_pages,
-            aux_index=0,
-            state_indices=None,
-            decode_prefix_len=0,
-            is_dummy=False,
-            device_kv_indices=device_pages,
-        )
+        frames = hooked_metadata(self.decode, room, self.session, host_pages, device_pages)
         info = conn.TransferInfo.from_zmq(frames)
         self.prefill.transfer_infos[room] = {self.session: info}  # as sglang's bootstrap keeps it
         return info
@@ -760,10 +735,7 @@ def decode_request(decode, room: int, host_pages: np.ndarray, ranks: int) -> lis
 
 def advertised_registration(decode, pool: KVPool) -> list[bytes]:
     """The decode's KV registration with its receive staging, as a prefill receives it."""
-    registration = KVRegistration(
-        endpoint="127.0.0.1", port=17000, session_id=decode.engine.session_id, ptrs=pool.ptrs,
-        item_lens=pool.item_lens, lens=pool.lens, is_device=[False] * len(pool.ptrs),
-    ).to_frames()[:20]  # fmt: skip
+    registration = registration_frames(pool, decode.engine.session_id)
     return receive_staging.registration_message_hook(lambda _: registration, decode)
 
 
