@@ -319,6 +319,7 @@ def metadata_frames(original: Any, manager: Any, kwargs: dict) -> list[bytes] | 
     """The metadata toward a prefill of another page size (None: not one): sglang's frames with
     no pages, and the pages in `Repaged`; for a request that cannot be served (or a failure
     here), no pages at all and the request Failed. Never the pages where sglang reads them."""
+    # sglang 0.5.23 builds a request's metadata only in `send_metadata` (both fingerprinted).
     receiver = _SENDING_METADATA.get()
     decode = DECODES.existing(manager)
     if receiver is None or decode is None or kwargs.get("is_dummy"):
