@@ -102,10 +102,12 @@ MIN_REPEATS = 5  # samples per variant at least, interleaved: the wire is noisy 
 MAX_REPEATS = 400
 
 
-def fragmented_pages(rng: np.random.Generator, pool_pages: int, count: int) -> np.ndarray:
-    """`count` distinct pages of a `pool_pages` pool in runs of RUN_PAGES, shuffled (int32)."""
-    runs = rng.permutation(pool_pages // RUN_PAGES)[: -(-count // RUN_PAGES)]
-    pages = (runs[:, None] * RUN_PAGES + np.arange(RUN_PAGES)).reshape(-1)
+def fragmented_pages(
+    rng: np.random.Generator, pool_pages: int, count: int, run_pages: int = RUN_PAGES
+) -> np.ndarray:
+    """`count` distinct pages of a `pool_pages` pool in runs of `run_pages`, shuffled (int32)."""
+    runs = rng.permutation(pool_pages // run_pages)[: -(-count // run_pages)]
+    pages = (runs[:, None] * run_pages + np.arange(run_pages)).reshape(-1)
     return pages[:count].astype(np.int32)
 
 
