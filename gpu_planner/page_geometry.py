@@ -91,13 +91,15 @@ def unit_pages(
             f"{num_tokens} tokens sent ({needed} pages needed)"
         )
     if isinstance(pages, torch.Tensor):
-        positions = torch.arange(first_unit, first_unit + count, device=pages.device)
         held = pages[:needed].to(torch.int64)
+        within = torch.arange(per_page, device=pages.device)
     else:
-        positions = np.arange(first_unit, first_unit + count, dtype=np.int64)
         held = np.asarray(pages[:needed]).astype(np.int64)
+        within = np.arange(per_page, dtype=np.int64)
     _check_pages(held, per_page, geometry, name)
-    return held[positions // per_page] * per_page + positions % per_page
+    if per_page == 1:  # the pages are the unit pages
+        return held[first_unit : first_unit + count]
+    return (held[:, None] * per_page + within).reshape(-1)[first_unit : first_unit + count]
 
 
 def _check_pages(held: PageList, per_page: int, geometry: PageGeometry, name: str) -> None:

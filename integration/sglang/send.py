@@ -14,7 +14,8 @@ hook makes the same calls in the same order from the executor's threads
 
 from __future__ import annotations
 
-import dataclasses
+import copy
+import functools
 import time
 
 import numpy as np
@@ -113,23 +114,22 @@ def _repaged_call(
         raise Fallback("page indices are not 1-D NumPy arrays")
     try:
         chunk = unit_send(route, position, src_pages, page_size)
-        item_lens = [
-            unit_len(length, page_size, chunk.unit, "item_lens") for length in call.item_lens
-        ]
-        dst_item_lens = call.dst_item_lens and [
-            unit_len(length, route.decode_page_size, chunk.unit, "dst_item_lens")
-            for length in call.dst_item_lens
-        ]
+        item_lens = _unit_lens(tuple(call.item_lens), page_size, chunk.unit, "item_lens")
+        dst_item_lens = call.dst_item_lens and _unit_lens(
+            tuple(call.dst_item_lens), route.decode_page_size, chunk.unit, "dst_item_lens"
+        )
     except gp.PlanValidationError as error:
         raise Fallback(f"a send to another page size cannot be planned ({error})") from None
-    repaged = dataclasses.replace(
-        call,
-        prefill_data_indices=chunk.src_pages,
-        dst_data_indices=chunk.dst_pages,
-        item_lens=item_lens,
-        dst_item_lens=dst_item_lens,
-    )
+    repaged = copy.copy(call)
+    repaged.prefill_data_indices, repaged.dst_data_indices = chunk.src_pages, chunk.dst_pages
+    repaged.item_lens, repaged.dst_item_lens = item_lens, dst_item_lens
     return route, chunk, repaged
+
+
+@functools.lru_cache(maxsize=64)
+def _unit_lens(lengths: tuple[int, ...], page_size: int, unit: int, field: str) -> tuple[int, ...]:
+    """Each buffer's bytes per unit page: the same few geometries again and again."""
+    return tuple(unit_len(length, page_size, unit, field) for length in lengths)
 
 
 def _check_token_bytes(
@@ -140,8 +140,21 @@ def _check_token_bytes(
     unit: int,
 ) -> None:
     """Each entry's bytes per token are its decode buffer's (the decode's registration says them
-    per page of its size); `Fallback` naming the buffer and both page sizes otherwise."""
+    per page of its size); `Fallback` naming the buffer and both page sizes otherwise. Checked
+    once per registration, entries and geometry (`Entries.derive`)."""
     registration = manager.decode_kv_args_table[call.mooncake_session_id]
+    key = ("token bytes", id(registration), route.decode_page_size, unit)
+    checked = entries.derive(
+        key, lambda: _token_bytes_checked(manager, registration, entries, route, unit)
+    )
+    if checked is not registration:  # another registration at a reused id: check it now
+        _token_bytes_checked(manager, registration, entries, route, unit)
+
+
+def _token_bytes_checked(
+    manager: conn.MooncakeKVManager, registration, entries: Entries, route: RepagedRoute, unit: int
+):
+    """`registration`, once its buffers' bytes per token were found to be the entries'."""
     dst_lens = list(registration.dst_kv_item_lens) or [registration.dst_kv_item_len] * len(
         registration.dst_kv_ptrs
     )
@@ -157,6 +170,7 @@ def _check_token_bytes(
                 f"{token_bytes.get(int(dst_ptr))} (page size {route.decode_page_size})",
                 key="page sizes: bytes per token differ",
             )
+    return registration
 
 
 def _send_direct(
