@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from bench.servers.client import Generation, server_metrics
+import requests
+
+from bench.servers.client import REQUEST_TIMEOUT_S, Generation, pd_payload, server_metrics
+from bench.servers.launcher import Server
 
 
 def assert_same_tokens(
@@ -74,3 +78,78 @@ def plugin_metrics(
     real_sends = sum(metrics[key] for key in sends)
     assert metrics.get(PAGES_ON_HOST, 0) < real_sends / 2, (metrics.get(PAGES_ON_HOST), real_sends)
     return metrics
+
+
+def assert_repaged_sends(
+    url: str, handoff: str, record: Path, prompts: Sequence[Sequence[int]]
+) -> dict[str, float]:
+    """The checks of a plugin prefill that served a decode of another page size (`url`, after
+    `prompts` went through it): `plugin_metrics`'s, every chunk planned by the plugin (more
+    sends than requests: long prompts take several chunks; a repaged chunk has no fallback to
+    sglang, whose code cannot address the decode's pages) and no send failed."""
+    metrics = plugin_metrics(url, handoff, record)
+    sends = metrics[f"gpu_planner:sends_total{{handoff={handoff},hook=generic}}"]
+    assert sends > len(prompts), f"{sends} sends for {len(prompts)} requests: no chunked send"
+    failed = {key: value for key, value in metrics.items() if "failed_sends" in key}
+    assert not failed, failed
+    return metrics
+
+
+def assert_cache_hits(generations: Sequence[Generation]) -> None:
+    """Some requests hit the prefill's radix cache (the shared prefix of `MIXED_PROMPTS`)."""
+    cached = [generation.prefill_meta["cached_tokens"] for generation in generations]
+    assert sum(cached) > 0, cached
+
+
+def assert_mismapped_then_right(
+    send: Callable[[Sequence[int]], Generation],
+    flag: Path,
+    prompt: Sequence[int],
+    reference: dict[tuple[int, ...], tuple[int, ...]],
+) -> None:
+    """The page-size mapping control (`E2E_MISMAP_PAGES_FLAG`): with the flag, one later chunk
+    of `prompt` (which the prefill has not cached: it goes in several chunks) goes to the
+    decode pages sglang's own chunking would address, and the tokens differ from the second
+    on (the first comes from the prefill); the next send of the same prompt is right again."""
+    expected = reference[tuple(prompt)]
+    flag.touch()
+    corrupted = send(prompt)
+    assert not flag.exists(), "no chunk after a request's first took the mapping control's flag"
+    assert corrupted.output_ids[0] == expected[0]
+    assert corrupted.output_ids[1:] != expected[1:], "a wrong page mapping changed no token"
+    clean = send(prompt)
+    assert clean.output_ids == expected, (clean.output_ids, expected)
+
+
+def post_reply(url: str, payload: dict) -> tuple[int, object]:
+    """(HTTP status, JSON body or text) of a /generate, whatever its status."""
+    response = requests.post(url + "/generate", json=payload, timeout=REQUEST_TIMEOUT_S)
+    try:
+        return response.status_code, response.json()
+    except ValueError:
+        return response.status_code, response.text
+
+
+def aborted(status: int, body: object) -> bool:
+    """Whether a /generate reply says its request was aborted (sglang answers 200 or an error)."""
+    finish = body.get("meta_info", {}).get("finish_reason", {}) if isinstance(body, dict) else {}
+    return status != 200 or finish.get("type") == "abort"
+
+
+def assert_plain_prefill_fails(
+    prefill: Server, decode: Server, prompt: Sequence[int], page_sizes: tuple[int, int]
+) -> None:
+    """A plain sglang `prefill` (`GPU_PLANNER_DISABLE=1`) toward a plugin `decode` of another
+    page size (`page_sizes`: the prefill's, the decode's): the decode sends the request's pages
+    only in gpu_planner's frame, sglang's prefill writes none and declares no plan, and the
+    decode fails the request (its reply aborted), naming both page sizes."""
+    payload = pd_payload(prompt, prefill.bootstrap_port)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        prefill_reply = pool.submit(post_reply, prefill.url, payload)
+        status, body = post_reply(decode.url, payload)
+        prefill_reply.result()
+    assert aborted(status, body), (status, body)
+    reason = str(body)
+    own, decodes = page_sizes
+    assert f"(page size {own})" in reason and f"(page size {decodes})" in reason, body
+    assert "a plain sglang prefill" in reason, body

@@ -7,6 +7,13 @@ chunked prefill and `SGLANG_MOONCAKE_MAX_TRANSFER_BATCH_INDICES=4` make sends
 with fragmented page lists, several transfers per long request and batch cuts,
 which the plugin's metrics must show. The corruption control (test
 scaffolding) leaves one page out of one send and the tokens must change.
+
+A third prefill, at page size 64 with the plugin, sends to the same page-16
+decode: a pair sglang alone refuses, which the plugin serves (each chunk
+planned as pages of 16 tokens on both sides). Its tokens must be the plain
+server's too, prefix-cache hits included, and the mapping control (test
+scaffolding: one chunk sent to the decode pages sglang's own chunking would
+address) must change them.
 """
 
 from __future__ import annotations
@@ -17,9 +24,23 @@ from pathlib import Path
 import pytest
 
 from bench.deployment import one_request
-from bench.servers.client import Generation, generate_all, generate_pd, prompt_set, server_metrics
+from bench.servers.client import (
+    Generation,
+    generate_all,
+    generate_pd,
+    prompt_set,
+    server_metrics,
+)
 from bench.servers.launcher import Server, servers_running
-from tests.e2e.e2e_checks import assert_same_tokens, plugin_metrics, runs_histogram, sends_above
+from tests.e2e.e2e_checks import (
+    assert_cache_hits,
+    assert_mismapped_then_right,
+    assert_repaged_sends,
+    assert_same_tokens,
+    plugin_metrics,
+    runs_histogram,
+    sends_above,
+)
 from tests.e2e.e2e_scenarios import (
     CONCURRENCY,
     CONTROL_PROMPT,
@@ -27,12 +48,13 @@ from tests.e2e.e2e_scenarios import (
     decode_spec,
     prefill_spec,
 )
-from tests.e2e.scaffolding.e2e_sglang_scaffolding import CORRUPT_FLAG_ENV
+from tests.e2e.scaffolding.e2e_sglang_scaffolding import CORRUPT_FLAG_ENV, MISMAP_PAGES_FLAG_ENV
 
 pytestmark = pytest.mark.e2e
 
 PAGE_SIZE = 16
 BATCH_PAGES = 4
+REPAGED_PAGE_SIZE = 64  # the third prefill's: the decode's is PAGE_SIZE
 
 
 @dataclasses.dataclass
@@ -40,7 +62,9 @@ class Deployment:
     decode: Server
     prefill: Server  # the plugin
     prefill_disabled: Server  # GPU_PLANNER_DISABLE=1
+    prefill_p64: Server  # the plugin, page size 64
     corrupt_flag: Path  # create it to corrupt the plugin prefill's next send
+    mismap_flag: Path  # create it to mismap the page-64 prefill's next later chunk
     logs: Path
 
     def send(self, prefill: Server, prompts) -> list[Generation]:
@@ -51,8 +75,11 @@ class Deployment:
 
 
 @pytest.fixture(scope="module")
-def deployment(tiny_model, server_logs, tmp_path_factory):
-    flag = tmp_path_factory.mktemp("control") / "corrupt-next-send"
+def deployment(tiny_model, server_logs, tmp_path_factory, reference_tokens):
+    """The four servers; the plain reference server (`reference_tokens`) runs before them,
+    alone, so the machine holds four servers at most."""
+    control = tmp_path_factory.mktemp("control")
+    flag, mismap_flag = control / "corrupt-next-send", control / "mismap-next-chunk"
     specs = [
         decode_spec("p16-decode", tiny_model, PAGE_SIZE, BATCH_PAGES),
         prefill_spec(
@@ -61,13 +88,22 @@ def deployment(tiny_model, server_logs, tmp_path_factory):
         prefill_spec(
             "p16-prefill-disabled", tiny_model, PAGE_SIZE, BATCH_PAGES, {"GPU_PLANNER_DISABLE": "1"}
         ),
+        prefill_spec(
+            "p64-prefill",
+            tiny_model,
+            REPAGED_PAGE_SIZE,
+            BATCH_PAGES,
+            {MISMAP_PAGES_FLAG_ENV: str(mismap_flag)},
+        ),
     ]
     with servers_running(specs, server_logs) as servers:
         yield Deployment(
             servers["p16-decode"],
             servers["p16-prefill"],
             servers["p16-prefill-disabled"],
+            servers["p64-prefill"],
             flag,
+            mismap_flag,
             server_logs,
         )
 
@@ -104,8 +140,7 @@ def test_disabled_prefill_planned_nothing(deployment, generations):
 
 
 def test_prefix_cache_hits(generations):
-    cached = [g.prefill_meta["cached_tokens"] for g in generations["plugin"]]
-    assert sum(cached) > 0, cached
+    assert_cache_hits(generations["plugin"])
 
 
 def test_corrupted_transfer_changes_the_tokens(deployment, reference_tokens):
@@ -130,3 +165,30 @@ def test_deployment_benchmark_measures_a_request_on_each_prefill(deployment):
         assert 0 < figures["transfer"] < figures["ttft"]
     assert plugin["plan"] > 0 and plugin["descriptors"] > 0
     assert sglang["plan"] == 0 and sglang["descriptors"] == 0
+
+
+@pytest.fixture(scope="module")
+def repaged(deployment) -> list[Generation]:
+    """The mixed prompts through the page-64 prefill to the page-16 decode."""
+    return deployment.send(deployment.prefill_p64, MIXED_PROMPTS)
+
+
+def test_page64_prefill_to_page16_decode_equals_a_plain_server(
+    deployment, repaged, reference_tokens
+):
+    """Prefill page 64 -> decode page 16 (sglang refuses the pair): the plain server's tokens,
+    prefix-cache hits on the prefill included, every chunk planned by the plugin."""
+    assert_same_tokens("page 64 -> 16", MIXED_PROMPTS, repaged, reference_tokens)
+    assert_cache_hits(repaged)
+    record = deployment.logs / "p64-to-p16-metrics.json"
+    assert_repaged_sends(deployment.prefill_p64.url, "arrays", record, MIXED_PROMPTS)
+
+
+def test_a_wrong_page_mapping_changes_the_tokens(deployment, repaged, reference_tokens):
+    """The mapping control: one chunk of the page-64 prefill's next request to the decode pages
+    sglang's own chunking would address, other tokens; the next send is right again."""
+
+    def send(ids):
+        return deployment.send(deployment.prefill_p64, [ids])[0]
+
+    assert_mismapped_then_right(send, deployment.mismap_flag, CONTROL_PROMPT, reference_tokens)

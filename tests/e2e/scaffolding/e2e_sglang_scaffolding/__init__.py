@@ -43,11 +43,22 @@ nothing without it:
   process's own instance (the gate) decides. The test removes the file only
   once its requests have answered, so every send chosen in the window was
   observed in it too (a send's time is learned before its request completes).
+- The page-size mapping control: when `E2E_MISMAP_PAGES_FLAG` names a file, the
+  prefill's next chunk toward a decode of another page size after that file
+  appears (a chunk after the request's first: the first one maps the same
+  either way) is planned as sglang's own chunking would address it: the
+  decode's page list cut at the chunk's prefill page position, as if the
+  decode's pages were the prefill's size (gpu_planner's `send` module is
+  patched around `page_sizes.unit_send`), and the file is deleted. The chunk
+  lands in the decode pages of earlier tokens (overwriting their KV) and its
+  own decode pages keep whatever they held; the chunk still declares the
+  tokens it covered, so the decode admits the request and the tokens tell.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import threading
@@ -59,6 +70,7 @@ CORRUPT_SCATTER_FLAG_ENV = "E2E_CORRUPT_SCATTER_FLAG"
 STALL_STAGED_FLAG_ENV = "E2E_STALL_STAGED_FLAG"
 HOLD_NOTE_FLAG_ENV = "E2E_HOLD_NOTE_FLAG"
 COST_MODEL_FLAG_ENV = "E2E_COST_MODEL_FLAG"
+MISMAP_PAGES_FLAG_ENV = "E2E_MISMAP_PAGES_FLAG"
 STALL_LIMIT_S = 120.0
 SEND_KVCACHE = "sglang.srt.disaggregation.mooncake.conn.MooncakeKVManager.send_kvcache"
 
@@ -89,6 +101,10 @@ def register() -> None:
         from gpu_planner.integration.sglang import send_path
 
         send_path.path_costs = _model_while_flagged(send_path.path_costs)
+    if os.environ.get(MISMAP_PAGES_FLAG_ENV):
+        from gpu_planner.integration.sglang import send
+
+        send.unit_send = _mismapping_unit_send(send.unit_send)
 
 
 def corrupt_one_send(original, manager, session, src_pages, dst_ptrs, dst_pages, *args, **kwargs):
@@ -112,6 +128,30 @@ def _corrupting_scatter(scatter):
         return scatter(layout, dst_pages, *args, dst_device_pages=dst_device_pages, **kwargs)
 
     return scatter_head_slices
+
+
+def _mismapping_unit_send(unit_send):
+    """`unit_send`, but once the flag file exists, one later chunk's decode pages are those at
+    its prefill page position in the decode's page list (the decode's pages taken for pages of
+    the prefill's size): what sglang's own chunking would address."""
+
+    def mismapped_unit_send(route, position, src_pages, page_size):
+        chunk = unit_send(route, position, src_pages, page_size)
+        if position == 0 or not _claim_flag(os.environ[MISMAP_PAGES_FLAG_ENV]):
+            return chunk
+        from gpu_planner.page_geometry import PageGeometry, unit_pages
+
+        geometry = PageGeometry(route.decode_page_size, chunk.first % route.decode_page_size)
+        tokens = chunk.end - chunk.first
+        wrong = unit_pages(route.decode_pages[position:], geometry, chunk.unit, tokens, "mismap")
+        logger.warning(
+            "e2e scaffolding: tokens %d-%d (prefill page size %d, position %d) mapped to the "
+            "decode's pages from %d, not %d (page size %d)", chunk.first, chunk.end, page_size,
+            position, position, chunk.first // route.decode_page_size, route.decode_page_size,
+        )  # fmt: skip
+        return dataclasses.replace(chunk, dst_pages=wrong)
+
+    return mismapped_unit_send
 
 
 def _stalling_notify(notify):
