@@ -34,6 +34,7 @@ from sglang_plugin_support import (
 from sglang_plugin_support import make_manager as make_prefill_manager
 from suite_support import set_knob
 
+from bench.page_sizes import route_answer
 from gpu_planner import settings
 from gpu_planner.integration.sglang import counters, page_sizes, receive_staging, send_slots
 from gpu_planner.integration.sglang.page_size_wire import PLANNED_TAG, REPAGED_TAG
@@ -44,19 +45,6 @@ KV_POLL_TRANSFERRING, KV_POLL_SUCCESS, KV_POLL_FAILED = 3, 4, 0
 BOOTSTRAP = "127.0.0.1:8998"
 ORIGINAL_TRANSFER_INFO = inspect.unwrap(conn.TransferInfo.from_zmq.__func__)
 ORIGINAL_STATUS = inspect.unwrap(conn.MooncakeKVManager._encode_kv_status_message)
-
-
-def route_answer(page_size: int) -> dict:
-    """A prefill's bootstrap `/route` answer, as sglang's bootstrap server gives it."""
-    return {
-        "attn_tp_size": 1,
-        "attn_cp_size": 1,
-        "dp_size": 1,
-        "pp_size": 1,
-        "page_size": page_size,
-        "kv_cache_dtype": "auto",
-        "follow_bootstrap_room": True,
-    }
 
 
 class Pair:
