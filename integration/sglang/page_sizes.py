@@ -215,8 +215,12 @@ def why_unserved(manager: Any) -> str | None:
         return "decode context parallelism relays tokens by its own page layout"
     if getattr(manager, "enable_staging", False):
         return "sglang's own staging (SGLANG_DISAGG_STAGING_BUFFER) addresses pages itself"
-    if getattr(kv_args, "mla_compression_ratios", None) is not None:
-        return "HiSparse's compressed host pages are not served across page sizes"
+    ratios = getattr(kv_args, "mla_compression_ratios", None)  # a DeepSeek-V4 HiSparse pool
+    if ratios is not None or _setting("memory", "enable_hisparse"):
+        return (
+            "HiSparse's host pages (in its own page size) and its two page spaces are not "
+            "served across page sizes"
+        )
     if _setting("memory", "enable_unified_memory"):
         return "unified memory registers one envelope addressed by the decode's page size"
     if _setting("disagg", "disaggregation_enable_kv_checksum"):

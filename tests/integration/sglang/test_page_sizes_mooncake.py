@@ -493,6 +493,7 @@ def test_head_slices_between_attention_tp_sizes_land_every_sent_token(
     [
         ("disagg", "disaggregation_enable_kv_checksum", "KV checksum digests whole pages"),
         ("memory", "enable_unified_memory", "unified memory registers one envelope"),
+        ("memory", "enable_hisparse", "HiSparse's host pages \\(in its own page size\\)"),
     ],
 )
 def test_a_setting_that_addresses_pages_keeps_sglangs_refusal(
