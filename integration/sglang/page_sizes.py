@@ -262,7 +262,10 @@ def parallel_info_hook(original: Any, manager: Any, *args: Any, **kwargs: Any) -
 
     sglang's check stays for every other case, and its error says why gpu_planner did not serve.
     """
-    decode, why = _decode_of(manager)
+    try:
+        decode, why = _decode_of(manager)
+    except Exception as error:  # a partial manager: sglang's own check, and why
+        decode, why = None, f"its page-size state could not be made ({error!r})"
     connecting = None if decode is None else Connecting(decode)
     token = _CONNECTING.set(connecting)
     try:
@@ -301,7 +304,9 @@ def prefill_info_hook(original: Any, info: Any, *args: Any, **kwargs: Any) -> An
     result = original(info, *args, **kwargs)
     connecting = _CONNECTING.get()
     page_size = getattr(info, "page_size", None)
-    if connecting is None or page_size is None or page_size == connecting.decode.page_size:
+    if connecting is None or not isinstance(page_size, int) or page_size < 1:
+        return result  # sglang's own check judges it
+    if page_size == connecting.decode.page_size:
         return result
     connecting.refusal = connecting.decode.why_not(info)
     if connecting.refusal is None:
@@ -410,9 +415,6 @@ class PrefillPageSizes:
                 self._decodes.pop(session, None)
             else:
                 self._decodes[session] = page_size
-
-    def decode_page_size(self, session: str) -> int | None:
-        return self._decodes.get(session)
 
     def repage(self, info: Any, decode_pages: np.ndarray) -> None:
         """Give `info` (a parsed TransferInfo) virtual pages for the decode's `decode_pages`."""
