@@ -416,6 +416,10 @@ class PrefillPageSizes:
             else:
                 self._decodes[session] = page_size
 
+    def decode_page_size(self, session: str) -> int | None:
+        """The page size decode `session` declared, if it did (`bench.page_sizes` reads it)."""
+        return self._decodes.get(session)
+
     def repage(self, info: Any, decode_pages: np.ndarray) -> None:
         """Give `info` (a parsed TransferInfo) virtual pages for the decode's `decode_pages`."""
         decode_page_size = self._decodes.get(info.mooncake_session_id)
