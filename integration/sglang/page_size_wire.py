@@ -7,11 +7,14 @@ in tagged frames that a plain sglang peer never reads:
 - `PageSize` (decode -> prefill), appended after the 20 frames of sglang's KV
   registration: the tag, then `<Q` the decode's page size.
 - `Repaged` (decode -> prefill), appended after the 10 frames of a request's
-  metadata when the prefill's page size is not the decode's: the tag, then the
-  request's destination pages (int32, in the decode's page size). sglang's
-  own page frames (4 and 9) go empty then, so a plain sglang prefill, which
-  would address them in its own page size, writes no KV: the decode fails the
-  request when that prefill's Success declares nothing (below).
+  metadata when the prefill's page size is not the decode's: the tag, the
+  request's destination pages (int32, in the decode's page size), then `<Q`
+  the tokens of the prefill's first sent page that the decode already holds
+  (its cached prefix, rounded down to the prefill's pages in sglang's
+  `decode_prefix_len`, leaves them). sglang's own page frames (4 and 9) go
+  empty then, so a plain sglang prefill, which would address them in its own
+  page size, writes no KV: the decode fails the request when that prefill's
+  Success declares nothing (below).
 - `Planned` (prefill -> decode), appended to a prefill rank's Success status:
   the tag, the decode sessions joined by newlines, then one frame per session:
   `<QQ` (the page size the rank planned for, ranges) and `<QQ` (first, end)
@@ -43,7 +46,7 @@ from gpu_planner.integration.sglang.staging_wire import (
 )
 
 PAGE_SIZE_TAG = b"gpu_planner.page_size/1"
-REPAGED_TAG = b"gpu_planner.repaged/1"
+REPAGED_TAG = b"gpu_planner.repaged/2"
 PLANNED_TAG = b"gpu_planner.planned/1"
 MAX_PAGE_SIZE = 1 << 20  # tokens per page: far beyond any KV pool
 MAX_TOKENS = 1 << 40  # sent tokens one request's ranges may name
@@ -69,17 +72,34 @@ def registered_page_size(frames: list[bytes]) -> int | None:
     return page_size
 
 
-def repaged_frames(pages: np.ndarray) -> list[bytes]:
-    """`Repaged`: the frames a decode appends to a request's metadata (its pages, int32)."""
-    return [REPAGED_TAG, pages_to_int32_bytes(pages, "repaged pages")]
+def repaged_frames(pages: np.ndarray, held: int) -> list[bytes]:
+    """`Repaged`: the frames a decode appends to a request's metadata (its pages, int32, and the
+    `held` tokens of the prefill's first sent page it already holds)."""
+    return [REPAGED_TAG, pages_to_int32_bytes(pages, "repaged pages"), struct.pack("<Q", held)]
 
 
-def repaged_pages(frames: list[bytes]) -> np.ndarray | None:
-    """The destination pages a request's metadata carries for another page size, or None."""
-    frame = tagged_frame(frames, SGLANG_METADATA_FRAMES, REPAGED_TAG)
-    if frame is None:
+@dataclass(frozen=True)
+class Repaged:
+    """A request's destination for a prefill of another page size."""
+
+    pages: np.ndarray  # int32: the decode's pages of the sent tokens
+    held: int  # tokens of the prefill's first sent page the decode already holds
+
+
+def repaged_request(frames: list[bytes]) -> Repaged | None:
+    """What a request's metadata carries for another page size, or None."""
+    position = tag_position(frames, SGLANG_METADATA_FRAMES, REPAGED_TAG)
+    if position is None:
         return None
-    return parse_pages(frame, "repaged pages")
+    if position + 2 >= len(frames):
+        raise FrameError("repaged: the tag must be followed by its pages and held tokens")
+    held_frame = frames[position + 2]
+    if len(held_frame) != 8:
+        raise FrameError(f"repaged held tokens: {len(held_frame)} bytes, expected 8")
+    (held,) = struct.unpack("<Q", held_frame)
+    if held >= MAX_PAGE_SIZE:
+        raise FrameError(f"repaged held tokens: {held}, not below {MAX_PAGE_SIZE}")
+    return Repaged(parse_pages(frames[position + 1], "repaged pages"), int(held))
 
 
 @dataclass(frozen=True)

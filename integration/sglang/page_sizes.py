@@ -22,6 +22,10 @@ Prefill (`PrefillPageSizes`, one per process: sglang's parsers see no manager):
   gets `virtual_pages` in place of its (empty) destination pages: one per
   prefill page position, so that sglang's chunking by prefill pages cuts
   them exactly, with values past any registered buffer;
+- a decode's cached prefix that is not a whole number of the prefill's pages
+  reaches sglang's prefill rounded down to them (it starts a send only at a
+  page), and `Repaged` says how many tokens of the first sent page the decode
+  holds: the send skips them;
 - the send hooks (generic and head-sliced) resolve a chunk's slice of them
   (`chunk_for`) into the decode's pages (`unit_send`: both sides as pages of
   `gcd` tokens, `gpu_planner.page_geometry`), plan it as any send of that page
@@ -31,11 +35,7 @@ Prefill (`PrefillPageSizes`, one per process: sglang's parsers see no manager):
 
 What is not served keeps sglang's refusal: state laid out per page (SWA,
 DSA, block scales, ...), decode or prefill context parallelism, sglang's own
-staging, unified memory, the KV checksum, HiSparse, and the decode's radix
-cache toward a prefill whose page size does not divide the decode's; a decode
-prefix that is not a whole number
-of the prefill's pages fails its request (the prefill's own page list for it
-would miss its last page).
+staging, unified memory, the KV checksum, and HiSparse.
 """
 
 from __future__ import annotations
@@ -52,10 +52,12 @@ from gpu_planner.errors import PlanValidationError
 from gpu_planner.integration.sglang.fallback import best_effort
 from gpu_planner.integration.sglang.page_size_wire import (
     Planned,
+    Repaged,
     declared_plan,
     repaged_frames,
 )
 from gpu_planner.integration.sglang.registered_region import PerManager
+from gpu_planner.integration.sglang.staging_warmup import UnitGathers
 from gpu_planner.integration.sglang.staging_wire import KV_POLL_FAILED, KV_POLL_SUCCESS
 from gpu_planner.page_geometry import PageGeometry, common_unit, unit_pages
 
@@ -93,13 +95,6 @@ class DecodePageSizes:
         """Why a prefill of `info` (another page size) is not served here, or None."""
         if int(getattr(info, "attn_cp_size", 1) or 1) > 1:
             return "prefill context parallelism splits a request's tokens across its ranks"
-        if self.page_size % info.page_size and _setting(
-            "disagg", "disaggregation_decode_enable_radix_cache"
-        ):
-            return (
-                f"the decode's radix cache offers prefixes of whole pages of {self.page_size} "
-                f"tokens, where a prefill of page size {info.page_size} cannot start a send"
-            )
         return None
 
     def release(self) -> None:
@@ -118,10 +113,10 @@ class DecodePageSizes:
         pair = f"prefill page size {prefill_page_size}, decode page size {self.page_size}"
         if device_pages is not None:
             return f"gpu_planner: {pair}: HiSparse's two page spaces are not served across them"
-        if prefix % prefill_page_size:
+        if prefix % self.page_size:
             return (
                 f"gpu_planner: {pair}: the decode's cached prefix of {prefix} tokens is not a "
-                "whole number of the prefill's pages, whose page list would miss its last page"
+                "whole number of its own pages, where its page list starts"
             )
         return None
 
@@ -336,15 +331,16 @@ def metadata_frames(original: Any, manager: Any, kwargs: dict) -> list[bytes] | 
     prefill_page_size = decode.prefill_page_size(getattr(receiver, "bootstrap_addr", None))
     if prefill_page_size is None:
         return None
+    prefix = int(kwargs.get("decode_prefix_len") or 0)
+    held = prefix % prefill_page_size  # tokens of the prefill's first sent page held here
     no_pages = {"kv_indices": np.empty(0, dtype=np.int32), "device_kv_indices": None}
-    frames = original(manager, **{**kwargs, **no_pages})
+    frames = original(manager, **{**kwargs, **no_pages, "decode_prefix_len": prefix - held})
     room = kwargs["bootstrap_room"]
     try:
         pages = np.asarray(kwargs["kv_indices"])
-        prefix = int(kwargs.get("decode_prefix_len") or 0)
         refusal = decode.request_refusal(prefill_page_size, prefix, kwargs["device_kv_indices"])
         if refusal is None:
-            added = repaged_frames(pages)
+            added = repaged_frames(pages, held)
             decode.sent(int(room), prefill_page_size, len(pages))
             return [*frames, *added]
     except Exception as error:  # unserved: no KV goes, the request fails
@@ -378,7 +374,8 @@ class RepagedRoute:
     session: str
     decode_page_size: int
     decode_pages: np.ndarray  # int64: the decode's pages of the sent tokens
-    prefix: int  # the decode's cached prefix: sent token 0 is the request's token `prefix`
+    prefix: int  # the prefix sglang's prefill skips: its first sent page starts there
+    held: int  # tokens of that page the decode holds: sent token 0 is token `prefix + held`
     virtual: weakref.ref  # the TransferInfo's virtual pages (the sends' slices view them)
     virtual_address: int
     ranges: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # planned, in order
@@ -392,6 +389,7 @@ class PrefillPageSizes:
         self._decodes: dict[str, int] = {}  # decode session: its page size
         self._routes: dict[int, RepagedRoute] = {}  # id of a TransferInfo's virtual pages
         self._smallest_page_size: int | None = None  # of this process's managers
+        self.unit_gathers = UnitGathers()  # compiled at a registration, not in a request
         self._lock = threading.Lock()
 
     def hooks_registered(self, registered: bool) -> None:
@@ -401,36 +399,42 @@ class PrefillPageSizes:
         )
 
     def manager_built(self, manager: Any) -> None:
-        """A prefill manager of this process: its page size bounds the virtual pages' count."""
+        """A prefill manager of this process: its page size bounds the virtual pages' count, and
+        its gathers compile for the page sizes decodes declare."""
         page_size = int(manager.kv_args.page_size)
         with self._lock:
             smallest = self._smallest_page_size
             self._smallest_page_size = page_size if smallest is None else min(smallest, page_size)
             if getattr(manager, "dcp_size", 1) > 1:
                 self.unavailable = "this prefill relays tokens for decode context parallelism"
+        self.unit_gathers.manager_built(manager)
 
     def registered(self, session: str, page_size: int | None) -> None:
+        """Decode `session` declared `page_size` (None: none); what it adds to this process's
+        gathers compiles now, on sglang's bootstrap thread, before any of its requests."""
         with self._lock:
             if page_size is None:
                 self._decodes.pop(session, None)
             else:
                 self._decodes[session] = page_size
+        if page_size is not None:
+            self.unit_gathers.decode_registered(page_size)
 
     def decode_page_size(self, session: str) -> int | None:
         """The page size decode `session` declared, if it did (`bench.page_sizes` reads it)."""
         return self._decodes.get(session)
 
-    def repage(self, info: Any, decode_pages: np.ndarray) -> None:
-        """Give `info` (a parsed TransferInfo) virtual pages for the decode's `decode_pages`."""
+    def repage(self, info: Any, request: Repaged) -> None:
+        """Give `info` (a parsed TransferInfo) virtual pages for the decode's `request`."""
         decode_page_size = self._decodes.get(info.mooncake_session_id)
         if self.unavailable is not None or decode_page_size is None:
             why = self.unavailable or "the decode declared no page size"
             raise ValueError(f"a request for another page size is not served here: {why}")
-        tokens = len(decode_pages) * decode_page_size
+        tokens = request.held + len(request.pages) * decode_page_size
         virtual = virtual_pages(-(-tokens // (self._smallest_page_size or 1)))
         route = RepagedRoute(
             info.room, info.mooncake_session_id, decode_page_size,
-            decode_pages.astype(np.int64), int(info.decode_prefix_len or 0),
+            request.pages.astype(np.int64), int(info.decode_prefix_len or 0), request.held,
             weakref.ref(virtual), virtual.ctypes.data,
         )  # fmt: skip
         key = id(virtual)
@@ -523,23 +527,29 @@ def unit_send(
     """The chunk whose prefill pages `src_pages` (of `page_size` tokens) sit at prefill page
     `position` of `route`'s request, as unit pages of both sides.
 
-    Its tokens end at its last page or the decode's, whichever comes first;
-    `PlanValidationError` names what cannot be planned.
+    Its tokens skip those the decode holds, and end at its last page or the
+    decode's, whichever comes first; `PlanValidationError` names what cannot be
+    planned.
     """
     decode_page_size = route.decode_page_size
-    if route.prefix % page_size:
+    if route.prefix % page_size or not 0 <= route.held < page_size:
         raise PlanValidationError(
-            f"prefix of {route.prefix} tokens is not a whole number of the prefill's pages of "
-            f"{page_size} tokens"
+            f"prefix of {route.prefix} tokens and {route.held} held: not a whole number of the "
+            f"prefill's pages of {page_size} tokens and part of one"
         )
-    first = position * page_size
-    end = min(first + len(src_pages) * page_size, len(route.decode_pages) * decode_page_size)
-    if end <= first:
+    chunk_start = position * page_size  # tokens past `route.prefix`
+    start = max(chunk_start, route.held)
+    stop = min(
+        chunk_start + len(src_pages) * page_size,
+        route.held + len(route.decode_pages) * decode_page_size,
+    )
+    if stop <= start:
         raise PlanValidationError(
             f"prefill pages from position {position} lie past the decode's "
             f"{len(route.decode_pages)} pages of {decode_page_size} tokens"
         )
-    src = PageGeometry(page_size)
+    first, end = start - route.held, stop - route.held  # sent tokens
+    src = PageGeometry(page_size, start - chunk_start)
     dst = PageGeometry(decode_page_size, first % decode_page_size)
     unit = common_unit(src, dst)
     decode_pages = route.decode_pages[first // decode_page_size :]

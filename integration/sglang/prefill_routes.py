@@ -31,7 +31,7 @@ from gpu_planner.integration.sglang.fallback import best_effort
 from gpu_planner.integration.sglang.page_size_wire import (
     planned_frames,
     registered_page_size,
-    repaged_pages,
+    repaged_request,
 )
 from gpu_planner.integration.sglang.page_sizes import PREFILL
 from gpu_planner.integration.sglang.staging_wire import (
@@ -193,9 +193,9 @@ def transfer_info_hook(original: Any, cls: Any, msg: Any, *args: Any, **kwargs: 
     # Unserved (no hook, a malformed frame): the request keeps sglang's empty page list, no
     # KV goes, and the decode fails it when this rank's Success declares no plan.
     with best_effort("a request for another page size was not served", "repaged not served"):
-        decode_pages = None if info.is_dummy else repaged_pages(msg)
-        if decode_pages is not None:
-            PREFILL.repage(info, decode_pages)
+        repaged = None if info.is_dummy else repaged_request(msg)
+        if repaged is not None:
+            PREFILL.repage(info, repaged)
             return info
     with best_effort(
         "a decode's receive-staging reservation was ignored", "staging reservation ignored"

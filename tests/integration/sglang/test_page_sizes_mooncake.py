@@ -156,19 +156,25 @@ class Pair:
             )
         return statuses
 
+    def sent_tokens(self, src_pages: np.ndarray, dst_pages: np.ndarray, held: int) -> int:
+        """Tokens sent: the prefill's pages past the `held` the decode holds, up to its last."""
+        prefill_tokens = len(src_pages) * self.prefill_page_size - held
+        return min(prefill_tokens, len(dst_pages) * self.decode_page_size)
+
     def expected_pool(
-        self, src_pages: np.ndarray, dst_pages: np.ndarray, heads=None, expected=None
+        self, src_pages: np.ndarray, dst_pages: np.ndarray, heads=None, expected=None, held=0
     ) -> np.ndarray:
         """The decode's pool after every sent token's bytes landed in its slot: the tokens of
-        the prefill's pages, up to the decode's last page (a token walk); `heads` (source
-        offset, destination offset, bytes) of each token's head slice, else whole tokens."""
+        the prefill's pages past the first `held`, up to the decode's last page (a token walk);
+        `heads` (source offset, destination offset, bytes) of each token's head slice, else
+        whole tokens."""
         if expected is None:
             expected = np.zeros_like(self.destination.tensor.numpy())
         source = self.source.tensor.numpy()
-        sent = min(len(src_pages) * self.prefill_page_size, len(dst_pages) * self.decode_page_size)
-        tokens = np.arange(sent)
-        src_slots = src_pages[tokens // self.prefill_page_size] * self.prefill_page_size
-        src_slots += tokens % self.prefill_page_size
+        tokens = np.arange(self.sent_tokens(src_pages, dst_pages, held))
+        prefill_tokens = held + tokens
+        src_slots = src_pages[prefill_tokens // self.prefill_page_size] * self.prefill_page_size
+        src_slots += prefill_tokens % self.prefill_page_size
         dst_slots = dst_pages[tokens // self.decode_page_size] * self.decode_page_size
         dst_slots += tokens % self.decode_page_size
         for buffer, (src_width, dst_width) in enumerate(zip(*self.token_bytes, strict=True)):
@@ -181,18 +187,22 @@ class Pair:
             expected[dst_bytes] = source[src_bytes]
         return expected
 
-    def joint_runs(self, src_pages: np.ndarray, dst_pages: np.ndarray, cuts: list[int]) -> int:
+    def joint_runs(
+        self, src_pages: np.ndarray, dst_pages: np.ndarray, cuts: list[int], held: int = 0
+    ) -> int:
         """Maximal runs of tokens whose slots step by one on both sides, within each chunk."""
-        sent = min(len(src_pages) * self.prefill_page_size, len(dst_pages) * self.decode_page_size)
+        sent = self.sent_tokens(src_pages, dst_pages, held)
         runs = 0
         for first, end in zip(cuts[:-1], cuts[1:], strict=True):
-            tokens = np.arange(
-                first * self.prefill_page_size, min(end * self.prefill_page_size, sent)
+            prefill_tokens = np.arange(
+                max(first * self.prefill_page_size, held),
+                min(end * self.prefill_page_size, held + sent),
             )
-            if tokens.size == 0:
+            if prefill_tokens.size == 0:
                 continue
-            src = src_pages[tokens // self.prefill_page_size] * self.prefill_page_size
-            src += tokens % self.prefill_page_size
+            tokens = prefill_tokens - held
+            src = src_pages[prefill_tokens // self.prefill_page_size] * self.prefill_page_size
+            src += prefill_tokens % self.prefill_page_size
             dst = dst_pages[tokens // self.decode_page_size] * self.decode_page_size
             dst += tokens % self.decode_page_size
             runs += 1 + int(np.count_nonzero((np.diff(src) != 1) | (np.diff(dst) != 1)))
@@ -290,13 +300,42 @@ def test_a_plain_sglang_prefill_writes_nothing_and_its_request_fails_naming_both
     assert not pair.destination.tensor.numpy().any()
 
 
-def test_a_prefix_not_of_whole_prefill_pages_fails_the_request_before_any_byte(pairs):
+@pytest.mark.parametrize(
+    ("prefill_page_size", "decode_page_size", "prefix"),
+    [(64, 16, 48), (64, 16, 80), (64, 1, 127), (32, 16, 16), (16, 64, 64)],
+)
+def test_a_decode_prefix_inside_a_prefill_page_is_served(
+    pairs, prefill_page_size, decode_page_size, prefix
+):
+    """The decode's radix cache holds whole pages of its own: sglang's prefill, told the prefix
+    rounded down to its pages, sends from the page holding the prefix's end, and the send skips
+    the tokens the decode holds. Nothing else of the decode's pool changes."""
+    pair = pairs(prefill_page_size, decode_page_size)
+    rng = np.random.default_rng(prefix)
+    held, num_tokens = prefix % prefill_page_size, 300
+    src_pages = shuffled_pages(rng, -(-(held + num_tokens) // prefill_page_size), prefill_page_size)
+    dst_pages = shuffled_pages(rng, -(-num_tokens // decode_page_size), decode_page_size)
+    info = pair.parse(13, pair.metadata(13, dst_pages, prefix=prefix))
+    assert info.decode_prefix_len == prefix - held  # what sglang's prefill starts its send at
+    cuts = [0, 1, len(src_pages) // 2, len(src_pages)]
+    before = counters.snapshot()["descriptors"]
+    assert pair.send_chunks(info, src_pages.astype(np.int64), cuts) == [0, 0, 0]
+    descriptors = counters.snapshot()["descriptors"] - before
+    assert descriptors == len(TOKEN_BYTES) * pair.joint_runs(src_pages, dst_pages, cuts, held)
+    deliver_status(pair.prefill, pair.decode, 13, KV_POLL_SUCCESS)
+    assert pair.decode.request_status[13] == KV_POLL_SUCCESS, pair.decode.failure_records
+    np.testing.assert_array_equal(
+        pair.destination.tensor.numpy(), pair.expected_pool(src_pages, dst_pages, held=held)
+    )
+
+
+def test_a_prefix_not_of_whole_decode_pages_fails_the_request_before_any_byte(pairs):
     pair = pairs(64, 16)
-    frames = pair.metadata(13, np.arange(4, dtype=np.int32), prefix=48)
+    frames = pair.metadata(13, np.arange(4, dtype=np.int32), prefix=40)
     assert REPAGED_TAG not in frames and frames[4] == b""
     assert pair.decode.request_status[13] == KV_POLL_FAILED
     reason = pair.decode.failure_records[13]
-    assert "prefill page size 64, decode page size 16" in reason and "48 tokens" in reason
+    assert "prefill page size 64, decode page size 16" in reason and "40 tokens" in reason
     info = pair.parse(13, frames)
     assert len(info.dst_kv_indices) == 0  # no page: no KV goes
 
@@ -508,15 +547,11 @@ def test_a_setting_that_addresses_pages_keeps_sglangs_refusal(
         pair.connect(monkeypatch)
 
 
-def test_the_decodes_radix_cache_refuses_a_prefill_whose_pages_it_cannot_start_at(
-    monkeypatch, pairs
-):
-    """With the decode's radix cache on, a prefill page that does not divide the decode's would
-    make prefix hits fail: refused at connection; a finer prefill is served."""
+def test_the_decodes_radix_cache_connects_to_a_coarser_or_finer_prefill(monkeypatch, pairs):
+    """Prefix hits in whole decode pages are served from either (above): both connect."""
     fine, coarse = pairs(16, 64), pairs(64, 16)
     flags = types.SimpleNamespace(disaggregation_decode_enable_radix_cache=True)
     monkeypatch.setattr(runtime_context, "get_disagg", lambda: flags)
-    assert fine.connect(monkeypatch)  # 16 divides 64: every decode prefix is whole pages of 16
-    assert fine.decode.prefill_info_table[BOOTSTRAP].page_size == 16
-    with pytest.raises(RuntimeError, match="radix cache offers prefixes of whole pages of 16"):
-        coarse.connect(monkeypatch)
+    for pair in (fine, coarse):
+        assert pair.connect(monkeypatch)
+        assert pair.decode.prefill_info_table[BOOTSTRAP].page_size == pair.prefill_page_size

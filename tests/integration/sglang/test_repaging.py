@@ -30,7 +30,7 @@ from gpu_planner.integration.sglang.page_size_wire import (
     planned_frames,
     registered_page_size,
     repaged_frames,
-    repaged_pages,
+    repaged_request,
 )
 from gpu_planner.integration.sglang.page_sizes import (
     DecodePageSizes,
@@ -68,7 +68,9 @@ SECOND = 1 << 20  # the second buffer's offset on both sides
 def repaged_requests(draw):
     prefill_page_size, decode_page_size = draw(PAGE_SIZES), draw(PAGE_SIZES)
     num_tokens = draw(st.integers(1, 400))
-    src_count = -(-num_tokens // prefill_page_size)
+    # The decode's cached prefix, whole pages of its own: the prefill starts at its page below.
+    held = draw(st.integers(0, 5)) * decode_page_size % prefill_page_size
+    src_count = -(-(held + num_tokens) // prefill_page_size)
     dst_count = -(-num_tokens // decode_page_size)
     layout = draw(st.sampled_from(["fragmented", "contiguous", "shuffled"]))
 
@@ -81,28 +83,33 @@ def repaged_requests(draw):
 
     cuts = sorted(set(draw(st.lists(st.integers(1, max(src_count - 1, 1)), max_size=4))))
     cuts = [0] + [c for c in cuts if 0 < c < src_count] + [src_count]
-    return prefill_page_size, decode_page_size, pages(src_count), pages(dst_count), cuts
+    return prefill_page_size, decode_page_size, held, pages(src_count), pages(dst_count), cuts
 
 
-def route_for(decode_pages: np.ndarray, decode_page_size: int, prefix: int = 0) -> RepagedRoute:
-    virtual = virtual_pages(len(decode_pages) * decode_page_size)
+def route_for(
+    decode_pages: np.ndarray, decode_page_size: int, prefix: int = 0, held: int = 0
+) -> RepagedRoute:
+    virtual = virtual_pages(held + len(decode_pages) * decode_page_size)
     route = RepagedRoute(
-        1, "decode", decode_page_size, decode_pages, prefix, weakref.ref(virtual), 0
+        1, "decode", decode_page_size, decode_pages, prefix, held, weakref.ref(virtual), 0
     )
     route.keep = virtual  # the route's pages live as long as the test's route
     return route
 
 
 @given(request=repaged_requests(), max_batch_pages=st.sampled_from([0, 1, 3]))
-@example(request=(64, 16, np.array([3]), np.array([9, 2, 7, 8]), [0, 1]), max_batch_pages=0)
-@example(request=(16, 1, np.arange(2), np.arange(20, 0, -1), [0, 1, 2]), max_batch_pages=0)
-@example(request=(48, 32, np.array([0, 2]), np.array([1, 0, 4]), [0, 1, 2]), max_batch_pages=1)
+@example(request=(64, 16, 0, np.array([3]), np.array([9, 2, 7, 8]), [0, 1]), max_batch_pages=0)
+@example(request=(16, 1, 0, np.arange(2), np.arange(20, 0, -1), [0, 1, 2]), max_batch_pages=0)
+@example(request=(48, 32, 0, np.array([0, 2]), np.array([1, 0, 4]), [0, 1, 2]), max_batch_pages=1)
+@example(request=(64, 16, 48, np.array([5, 2]), np.array([9, 3]), [0, 1, 2]), max_batch_pages=0)
+@example(request=(64, 1, 63, np.array([5, 2]), np.arange(9, 0, -1), [0, 1, 2]), max_batch_pages=0)
 def test_chunks_move_every_sent_token_to_its_decode_slot_in_joint_runs(request, max_batch_pages):
-    """Each chunk as sglang cuts it (by prefill pages), planned on its unit pages: together they
-    move exactly the token walk's pairs, up to the prefill's or the decode's last page, with one
+    """Each chunk as sglang cuts it (by prefill pages, from the page holding the decode's prefix
+    end), planned on its unit pages: together they move exactly the token walk's pairs, from the
+    first token the decode does not hold up to the prefill's or the decode's last page, with one
     descriptor per joint run per buffer (per batch)."""
-    prefill_page_size, decode_page_size, src_pages, dst_pages, cuts = request
-    route = route_for(dst_pages, decode_page_size)
+    prefill_page_size, decode_page_size, held, src_pages, dst_pages, cuts = request
+    route = route_for(dst_pages, decode_page_size, held=held)
     token_bytes = 8
     moved: list[tuple[int, int]] = []
     descriptors = runs = 0
@@ -119,7 +126,8 @@ def test_chunks_move_every_sent_token_to_its_decode_slot_in_joint_runs(request, 
         moved += moved_tokens(plan, token_bytes)
         descriptors += plan.num_descriptors
         tokens = np.arange(chunk.first, chunk.end)
-        src = token_slots(src_pages[first:end], prefill_page_size, tokens - chunk.first)
+        src_tokens = held + tokens - first * prefill_page_size
+        src = token_slots(src_pages[first:end], prefill_page_size, src_tokens)
         dst = token_slots(dst_pages, decode_page_size, tokens)
         breaks = (np.diff(src) != 1) | (np.diff(dst) != 1)
         if max_batch_pages:
@@ -127,10 +135,10 @@ def test_chunks_move_every_sent_token_to_its_decode_slot_in_joint_runs(request, 
             breaks |= np.diff(unit_index // max_batch_pages) != 0
         runs += 1 + int(np.count_nonzero(breaks))
         covered.append((chunk.first, chunk.end))
-    sent = min(len(src_pages) * prefill_page_size, len(dst_pages) * decode_page_size)
+    sent = min(len(src_pages) * prefill_page_size - held, len(dst_pages) * decode_page_size)
     tokens = np.arange(sent)
-    chunk_of = np.searchsorted(np.array(cuts) * prefill_page_size, tokens, side="right") - 1
-    src_expected = token_slots(src_pages, prefill_page_size, tokens)
+    chunk_of = np.searchsorted(np.array(cuts) * prefill_page_size, held + tokens, "right") - 1
+    src_expected = token_slots(src_pages, prefill_page_size, held + tokens)
     dst_expected = token_slots(dst_pages, decode_page_size, tokens)
     assert covered[0][0] == 0 and covered[-1][1] == sent
     assert all(a[1] == b[0] for a, b in zip(covered[:-1], covered[1:], strict=True))
@@ -143,8 +151,10 @@ def test_a_chunk_past_the_decodes_pages_or_an_unaligned_prefix_is_refused():
     route = route_for(np.arange(2), 16)
     with pytest.raises(gp.PlanValidationError, match="past the decode's 2 pages"):
         unit_send(route, 1, np.arange(1), 64)
-    with pytest.raises(gp.PlanValidationError, match="prefix of 48 tokens"):
+    with pytest.raises(gp.PlanValidationError, match="prefix of 48 tokens and 0 held"):
         unit_send(route_for(np.arange(4), 16, prefix=48), 0, np.arange(1), 64)
+    with pytest.raises(gp.PlanValidationError, match="prefix of 0 tokens and 64 held"):
+        unit_send(route_for(np.arange(4), 16, held=64), 0, np.arange(2), 64)
     with pytest.raises(gp.PlanValidationError, match="prefill_data_indices\\[0\\] = -1"):
         unit_send(route, 0, np.array([-1]), 16)
 
@@ -158,8 +168,11 @@ def test_the_frames_parse_back():
     registration = [b"frame"] * 20 + page_size_frames(16)
     assert registered_page_size(registration) == 16
     assert registered_page_size([b"frame"] * 20) is None
-    metadata = [b"frame"] * 10 + repaged_frames(np.array([3, 1, 2]))
-    np.testing.assert_array_equal(repaged_pages(metadata), [3, 1, 2])
+    metadata = [b"frame"] * 10 + repaged_frames(np.array([3, 1, 2]), 48)
+    repaged = repaged_request(metadata)
+    np.testing.assert_array_equal(repaged.pages, [3, 1, 2])
+    assert repaged.held == 48
+    assert repaged_request([b"frame"] * 10) is None
     plans = {"a:1": Planned(16, ((0, 64), (64, 100))), "b:2": Planned(1, ())}
     status = [b"7", b"4", b"0", b""] + planned_frames(plans)
     assert declared_plan(status, "a:1") == plans["a:1"]
@@ -183,10 +196,17 @@ def test_a_malformed_page_size_is_refused_naming_it(frames, message):
 
 
 def test_malformed_pages_and_declarations_are_refused_naming_them():
-    with pytest.raises(FrameError, match="repaged pages\\[1\\] = -3"):
-        repaged_pages([b"f"] * 10 + [REPAGED_TAG, np.array([1, -3], np.int32).tobytes()])
+    pages = np.array([1, -3], np.int32).tobytes()
+    for frames, message in [
+        ([REPAGED_TAG, pages, b"\x00" * 8], "repaged pages\\[1\\] = -3"),
+        ([REPAGED_TAG, pages], "followed by its pages and held tokens"),
+        ([REPAGED_TAG, b"", b"\x00" * 4], "4 bytes, expected 8"),
+        ([REPAGED_TAG, b"", b"\xff" * 8], "not below"),
+    ]:
+        with pytest.raises(FrameError, match=message):
+            repaged_request([b"f"] * 10 + frames)
     with pytest.raises(ValueError, match="page ids must fit int32"):
-        repaged_frames(np.array([2**31]))
+        repaged_frames(np.array([2**31]), 0)
     head = [b"7", b"4", b"0", b""]
     bad = [
         ([PLANNED_TAG], "followed by its sessions"),
