@@ -12,6 +12,9 @@ that holds the KV, and no request compiles one. What each path copies:
   of every buffer (page size 1, slices of an item length) into a slot;
 - prefill, gathered TP-up send: `n` of its KV heads per token (the decode
   rank's share, 1 to all of them) at the server's page size, into a slot;
+  toward a decode of another page size Q, at pages of gcd(its, Q) tokens
+  (`page_sizes.unit_send`): compiled when that decode registers (`UnitGathers`),
+  which sglang parses on its bootstrap thread before any of its requests;
 - decode, scatter: a writer's share of each token slot, for `writers` (the
   prefill's attention TP over the decode's) dividing its KV heads, from its
   part of the region, which starts a multiple of `page bytes / writers` past
@@ -26,12 +29,15 @@ Imports nothing from sglang until `warm_up_staging` runs:
 from __future__ import annotations
 
 import math
+import threading
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from gpu_planner import settings
+from gpu_planner.integration.sglang.fallback import best_effort
 from gpu_planner.warmup import SliceCopies, warm_up_slice_copies
 
 _ALIGNMENT = 16  # bytes: the kernels' widest copy unit
@@ -42,25 +48,53 @@ def prefill_copies(
 ) -> list[SliceCopies]:
     """The gathers a prefill with these KV buffers makes into its send slots."""
     item_lens = [int(length) for length in item_lens]
-    copies = [
-        SliceCopies(
-            scatter=False, page_size=1, slice_lens=tuple(item_lens), unit=_unit(ptrs, item_lens)
-        )
-    ]
+    staged = SliceCopies(
+        scatter=False, page_size=1, slice_lens=tuple(item_lens), unit=_unit(ptrs, item_lens)
+    )
+    return [staged, *_head_slice_gathers(ptrs, item_lens, page_size, kv_heads, mla, page_size)]
+
+
+def unit_copies(
+    ptrs: Sequence[int],
+    item_lens: Sequence[int],
+    page_size: int,
+    kv_heads: int,
+    mla: bool,
+    decode_page_size: int,
+) -> list[SliceCopies]:
+    """The gathers such a prefill adds toward a decode of `decode_page_size`: its TP-up head
+    slices at pages of their gcd (`page_sizes.unit_send`); none where that is its page size."""
+    unit = math.gcd(page_size, decode_page_size)
+    if unit == page_size:
+        return []  # `prefill_copies` has them
+    item_lens = [int(length) for length in item_lens]
+    return _head_slice_gathers(ptrs, item_lens, page_size, kv_heads, mla, unit)
+
+
+def _head_slice_gathers(
+    ptrs: Sequence[int],
+    item_lens: list[int],
+    page_size: int,
+    kv_heads: int,
+    mla: bool,
+    gather_page_size: int,
+) -> list[SliceCopies]:
+    """The TP-up head-slice gathers of a prefill's pages of `page_size` tokens, each launched
+    on pages of `gather_page_size` tokens."""
     token_len = item_lens[0] // page_size if item_lens else 0
     head_len = token_len // max(kv_heads, 1)
     # sglang slices heads only for one item length and no MLA (`send_kvcache_slice`).
-    if not mla and head_len and len(set(item_lens)) == 1:
-        slices = tuple(heads * head_len for heads in range(1, kv_heads + 1))
-        copies.append(
-            SliceCopies(
-                scatter=False,
-                page_size=page_size,
-                slice_lens=slices,
-                unit=_unit(ptrs, [head_len, token_len]),
-            )
+    if mla or not head_len or len(set(item_lens)) != 1:
+        return []
+    slices = tuple(heads * head_len for heads in range(1, kv_heads + 1))
+    return [
+        SliceCopies(
+            scatter=False,
+            page_size=gather_page_size,
+            slice_lens=slices,
+            unit=_unit(ptrs, [head_len, token_len]),
         )
-    return copies
+    ]
 
 
 def decode_copies(
@@ -94,11 +128,7 @@ def _unit(ptrs: Sequence[int], lens: Sequence[int]) -> int:
 
 def manager_copies(manager: Any) -> list[SliceCopies]:
     """The copies `manager`'s staging can make (none where its knobs turn staging off)."""
-    kv_args = manager.kv_args
-    ptrs = [int(ptr) for ptr in kv_args.kv_data_ptrs]
-    item_lens = list(kv_args.kv_item_lens)
-    page_size = int(kv_args.page_size)
-    kv_heads = int(getattr(kv_args, "kv_head_num", 1) or 1)
+    ptrs, item_lens, page_size, kv_heads = _kv_geometry(manager)
     mode = getattr(getattr(manager, "disaggregation_mode", None), "name", None)
     if mode == "PREFILL" and settings.loaded(settings.GATHER_STAGING_BYTES):
         mla = bool(getattr(manager, "is_mla_backend", False))
@@ -112,13 +142,24 @@ def manager_copies(manager: Any) -> list[SliceCopies]:
     return []
 
 
+def _kv_geometry(manager: Any) -> tuple[list[int], list[int], int, int]:
+    """`manager`'s KV buffer addresses, item lengths, page size and KV heads."""
+    kv_args = manager.kv_args
+    ptrs = [int(ptr) for ptr in kv_args.kv_data_ptrs]
+    kv_heads = int(getattr(kv_args, "kv_head_num", 1) or 1)
+    return ptrs, list(kv_args.kv_item_lens), int(kv_args.page_size), kv_heads
+
+
 def warm_up_staging(manager: Any) -> int:
     """Compile `manager`'s staging copies on the GPU holding its KV (`manager_copies`); return
     the launches made (0 where the KV is not on one GPU: its copies run on the CPU loops)."""
+    return _warm_up_on_kv_gpu(manager, manager_copies(manager))
+
+
+def _warm_up_on_kv_gpu(manager: Any, copies: list[SliceCopies]) -> int:
     from gpu_planner.integration.sglang.receive_staging import receive_device
     from gpu_planner.integration.sglang.send_slots import kv_torch_device
 
-    copies = manager_copies(manager)
     if not copies:
         return 0
     place = receive_device if copies[0].scatter else kv_torch_device
@@ -126,3 +167,49 @@ def warm_up_staging(manager: Any) -> int:
     if isinstance(torch_device, str) or torch_device.type != "cuda":
         return 0  # host KV: its copies run on the CPU loops (`registered_region.kernel_backend`)
     return warm_up_slice_copies(torch_device, copies)
+
+
+class UnitGathers:
+    """This process's prefill managers, each with the unit page sizes whose gathers were
+    compiled for it: a decode's page size adds some (`unit_copies`), once per manager and unit.
+
+    Managers are kept weakly: a manager's end is not delayed.
+    """
+
+    def __init__(self) -> None:
+        self._units: weakref.WeakKeyDictionary[Any, set[int]] = weakref.WeakKeyDictionary()
+        self._lock = threading.Lock()
+
+    def manager_built(self, manager: Any) -> None:
+        """Keep prefill `manager` for the decodes that register later (where its slots are on)."""
+        if not settings.loaded(settings.GATHER_STAGING_BYTES):
+            return
+        with (
+            best_effort(
+                "a prefill's gathers toward other page sizes compile in requests", "compile"
+            ),
+            self._lock,
+        ):
+            self._units.setdefault(manager, set())
+
+    def decode_registered(self, decode_page_size: int) -> int:
+        """Compile what a decode of `decode_page_size` adds to each kept manager's gathers, on
+        the GPU holding its KV; return the launches made. Blocks, and never raises: sglang
+        parses a registration on its bootstrap thread, before the decode's requests."""
+        launches = 0
+        with self._lock:  # held while compiling: each unit compiles once
+            for manager, units in list(self._units.items()):
+                with best_effort(
+                    "compiling the gathers toward a decode's page size failed", "compile"
+                ):
+                    ptrs, item_lens, page_size, kv_heads = _kv_geometry(manager)
+                    unit = math.gcd(page_size, decode_page_size)
+                    if unit in units:
+                        continue
+                    units.add(unit)  # a failure is not retried: a request compiles it
+                    mla = bool(getattr(manager, "is_mla_backend", False))
+                    copies = unit_copies(
+                        ptrs, item_lens, page_size, kv_heads, mla, decode_page_size
+                    )
+                    launches += _warm_up_on_kv_gpu(manager, copies)
+        return launches
