@@ -43,13 +43,13 @@ from __future__ import annotations
 import contextvars
 import dataclasses
 import threading
-import weakref
 from typing import Any
 
 import numpy as np
 
 from gpu_planner.errors import PlanValidationError
 from gpu_planner.integration.sglang.fallback import best_effort
+from gpu_planner.integration.sglang.page_array_routes import RoutesByPages
 from gpu_planner.integration.sglang.page_size_wire import (
     Planned,
     Repaged,
@@ -376,8 +376,6 @@ class RepagedRoute:
     decode_pages: np.ndarray  # int64: the decode's pages of the sent tokens
     prefix: int  # the prefix sglang's prefill skips: its first sent page starts there
     held: int  # tokens of that page the decode holds: sent token 0 is token `prefix + held`
-    virtual: weakref.ref  # the TransferInfo's virtual pages (the sends' slices view them)
-    virtual_address: int
     ranges: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # planned, in order
 
 
@@ -387,7 +385,7 @@ class PrefillPageSizes:
     def __init__(self) -> None:
         self.unavailable: str | None = None  # why this process serves no other page size
         self._decodes: dict[str, int] = {}  # decode session: its page size
-        self._routes: dict[int, RepagedRoute] = {}  # id of a TransferInfo's virtual pages
+        self._routes: RoutesByPages[RepagedRoute] = RoutesByPages()  # by its virtual pages
         self._smallest_page_size: int | None = None  # of this process's managers
         self.unit_gathers = UnitGathers()  # compiled at a registration, not in a request
         self._lock = threading.Lock()
@@ -435,33 +433,14 @@ class PrefillPageSizes:
         route = RepagedRoute(
             info.room, info.mooncake_session_id, decode_page_size,
             request.pages.astype(np.int64), int(info.decode_prefix_len or 0), request.held,
-            weakref.ref(virtual), virtual.ctypes.data,
         )  # fmt: skip
-        key = id(virtual)
-        with self._lock:
-            self._routes[key] = route
-        weakref.finalize(virtual, self._forget, key, route.virtual)
+        self._routes.add(virtual, route)
         info.dst_kv_indices = virtual
-
-    def _forget(self, key: int, virtual_ref: weakref.ref) -> None:
-        with self._lock:
-            route = self._routes.get(key)
-            if route is not None and route.virtual is virtual_ref:
-                del self._routes[key]
 
     def chunk_for(self, dst_pages: Any) -> tuple[RepagedRoute, int] | None:
         """The repaged request whose virtual pages `dst_pages` slices, and the slice's first
         prefill page position in it; None for any other page list."""
-        if not self._routes or not isinstance(dst_pages, np.ndarray):
-            return None
-        base = dst_pages.base if isinstance(dst_pages.base, np.ndarray) else dst_pages
-        route = self._routes.get(id(base))  # one dict read: atomic, no lock
-        if route is None or route.virtual() is not base or dst_pages.dtype != base.dtype:
-            return None
-        offset = dst_pages.ctypes.data - route.virtual_address
-        if dst_pages.strides != (base.itemsize,) or offset % base.itemsize:
-            return None
-        return route, offset // base.itemsize
+        return self._routes.find(dst_pages)
 
     def planned(self, route: RepagedRoute, first: int, end: int) -> None:
         """This rank's descriptors for `route` covered its sent tokens `[first, end)`."""
@@ -479,8 +458,8 @@ class PrefillPageSizes:
         with self._lock:
             for info in infos.values():
                 session = info.mooncake_session_id
-                route = self._routes.get(id(getattr(info, "dst_kv_indices", None)))
-                if route is not None and route.virtual() is info.dst_kv_indices:
+                route = self._routes.of(getattr(info, "dst_kv_indices", None))
+                if route is not None:
                     declared[session] = Planned(route.decode_page_size, tuple(route.ranges))
                 elif info.is_dummy and self._decodes.get(session, own) != own:
                     declared[session] = Planned(self._decodes[session], ())
@@ -490,7 +469,7 @@ class PrefillPageSizes:
         """Forget every decode and request (tests)."""
         with self._lock:
             self._decodes.clear()
-            self._routes.clear()
+        self._routes.clear()
 
 
 PREFILL = PrefillPageSizes()

@@ -21,13 +21,13 @@ decode whose notes did not all arrive fails the request.
 from __future__ import annotations
 
 import threading
-import weakref
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from gpu_planner.integration.sglang.fallback import best_effort
+from gpu_planner.integration.sglang.page_array_routes import RoutesByPages
 from gpu_planner.integration.sglang.page_size_wire import (
     planned_frames,
     registered_page_size,
@@ -52,9 +52,6 @@ class Route:
     port: int
     region: Capability
     reservation: Reservation
-    pages: weakref.ref  # the TransferInfo's destination pages (the send's slices view them):
-    # weak, so that the route ends with sglang's TransferInfo
-    pages_address: int  # where those pages' data starts (a slice's offset is from here)
     staged_notes: int = 0  # notes sent for this request: its Success status declares them
 
 
@@ -63,7 +60,7 @@ class StagingRoutes:
 
     def __init__(self) -> None:
         self._peers: dict[str, Capability] = {}  # decode session -> its advertised region
-        self._routes: dict[int, Route] = {}  # id of a TransferInfo's page array -> its route
+        self._routes: RoutesByPages[Route] = RoutesByPages()  # by a TransferInfo's pages
         self._lock = threading.Lock()
 
     def advertised(self, session: str, capability: Capability | None) -> None:
@@ -80,29 +77,12 @@ class StagingRoutes:
 
     def lend(self, pages: np.ndarray, route: Route) -> None:
         """`pages` (a TransferInfo's destination pages) belong to `route` while they live."""
-        key = id(pages)
-        with self._lock:
-            self._routes[key] = route
-        weakref.finalize(pages, self._forget_route, key, route.pages)
-
-    def _forget_route(self, key: int, pages_ref: weakref.ref) -> None:
-        with self._lock:
-            route = self._routes.get(key)
-            if route is not None and route.pages is pages_ref:
-                del self._routes[key]
+        self._routes.add(pages, route)
 
     def route_for(self, dst_pages: np.ndarray) -> tuple[Route, int] | None:
         """The request `dst_pages` (a slice of its metadata's pages) belongs to, and its first
         page in that request."""
-        base = dst_pages.base if isinstance(dst_pages.base, np.ndarray) else dst_pages
-        route = self._routes.get(id(base))  # one dict read: atomic, no lock
-        if route is None or route.pages() is not base or dst_pages.dtype != base.dtype:
-            return None
-        itemsize = base.dtype.itemsize
-        offset = dst_pages.ctypes.data - route.pages_address
-        if dst_pages.strides != (itemsize,) or offset % itemsize:
-            return None
-        return route, offset // itemsize
+        return self._routes.find(dst_pages)
 
     def note_sent(self, route: Route) -> None:
         """One more staged note went to `route`'s request."""
@@ -116,23 +96,21 @@ class StagingRoutes:
         declared = {}
         with self._lock:
             for info in infos.values():
-                pages = getattr(info, "dst_kv_indices", None)
-                route = self._routes.get(id(pages))
-                if route is not None and route.pages() is pages:
+                route = self._routes.of(getattr(info, "dst_kv_indices", None))
+                if route is not None:
                     declared[route.session, route.reservation.reservation_id] = route.staged_notes
         return declared
 
     @property
     def lent_requests(self) -> int:
         """Requests with a part lent that are still alive."""
-        with self._lock:
-            return len(self._routes)
+        return len(self._routes)
 
     def forget(self) -> None:
         """Forget every advertised region and lent part (tests)."""
         with self._lock:
             self._peers.clear()
-            self._routes.clear()
+        self._routes.clear()
 
 
 ROUTES = StagingRoutes()
@@ -208,9 +186,8 @@ def transfer_info_hook(original: Any, cls: Any, msg: Any, *args: Any, **kwargs: 
         if reservation.pages != len(pages):
             raise ValueError(f"{reservation.pages} pages lent for {len(pages)} pages")
         route = Route(
-            info.room, info.mooncake_session_id, info.endpoint, info.dst_port,
-            region, reservation, weakref.ref(pages), pages.ctypes.data,
-        )  # fmt: skip
+            info.room, info.mooncake_session_id, info.endpoint, info.dst_port, region, reservation
+        )
         ROUTES.lend(pages, route)
     return info
 

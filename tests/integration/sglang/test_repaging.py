@@ -10,8 +10,6 @@ sent token once, for its own page size.
 
 from __future__ import annotations
 
-import weakref
-
 import numpy as np
 import pytest
 from hypothesis import example, given
@@ -89,12 +87,7 @@ def repaged_requests(draw):
 def route_for(
     decode_pages: np.ndarray, decode_page_size: int, prefix: int = 0, held: int = 0
 ) -> RepagedRoute:
-    virtual = virtual_pages(held + len(decode_pages) * decode_page_size)
-    route = RepagedRoute(
-        1, "decode", decode_page_size, decode_pages, prefix, held, weakref.ref(virtual), 0
-    )
-    route.keep = virtual  # the route's pages live as long as the test's route
-    return route
+    return RepagedRoute(1, "decode", decode_page_size, decode_pages, prefix, held)
 
 
 @given(request=repaged_requests(), max_batch_pages=st.sampled_from([0, 1, 3]))
