@@ -12,9 +12,10 @@ that holds the KV, and no request compiles one. What each path copies:
   of every buffer (page size 1, slices of an item length) into a slot;
 - prefill, gathered TP-up send: `n` of its KV heads per token (the decode
   rank's share, 1 to all of them) at the server's page size, into a slot;
-  toward a decode of another page size Q, at pages of gcd(its, Q) tokens
-  (`page_sizes.unit_send`): compiled when that decode registers (`UnitGathers`),
-  which sglang parses on its bootstrap thread before any of its requests;
+  toward a decode of another page size Q, at pages of gcd(page size, Q)
+  tokens (`page_sizes.unit_send`), compiled when the prefill parses that
+  decode's registration (`UnitGathers`: sglang parses it on its bootstrap
+  thread, before any of the decode's requests);
 - decode, scatter: a writer's share of each token slot, for `writers` (the
   prefill's attention TP over the decode's) dividing its KV heads, from its
   part of the region, which starts a multiple of `page bytes / writers` past

@@ -1,15 +1,22 @@
-"""Staged sends after the plugin's warm-up, with every Triton compile counted (sm_90 stand-in).
+"""Staged and gathered sends after the plugin's warm-up, with every Triton compile counted
+(sm_90 stand-in).
 
-The staged sends of `test_receive_staging_mooncake` (two real Mooncake
-engines over TCP, real managers, the plugin's hooks), with both sides' KV
-standing for a GPU's through the CUDA stand-in (tests/cuda_standin.py): the
-prefill gathers into device slots, the decode scatters from a device region.
+`staged` (the default): the staged sends of `test_receive_staging_mooncake`
+(two real Mooncake engines over TCP, real managers, the plugin's hooks), with
+both sides' KV standing for a GPU's through the CUDA stand-in
+(tests/cuda_standin.py): the prefill gathers into device slots, the decode
+scatters from a device region. `repaged`: the TP-up head-sliced sends of
+`test_page_sizes_mooncake` (prefill TP 1 -> decode TP 2, rank 1) toward a
+decode of another page size, gathered into device slots at pages of
+gcd(page sizes) tokens; the decode registers after the prefill's manager is
+built, as it does with sglang.
 The interpreter is off: Triton's JIT compiles each gather and scatter for the
 sm_90 of `aot_compile` (which loads and launches nothing, so the bytes are not
-checked here; the interpreted test checks them) and each compile is counted.
+checked here; the interpreted tests check them) and each compile is counted.
 `plugin.warm_up_gpu` runs for each manager first, as sglang's AFTER hook on
-its `__init__` runs it. Prints one JSON line: the kernels warm-up compiled,
-the gathers and scatters the sends launched, and what they compiled.
+its `__init__` runs it. Prints one JSON line: the kernels warm-up (and the
+decode's registration) compiled, the gathers and scatters the sends launched
+(and the gathers' page sizes), and what they compiled.
 """
 
 from __future__ import annotations
@@ -26,10 +33,13 @@ from aot_compile import Sm90Driver, compiled, counting_compile  # noqa: E402
 
 # (item lengths, HiSparse device-backed buffers, sends of the request), as the interpreted test.
 SCENARIOS = (([256] * 16, 0, 1), ([256] * 16, 0, 3), ([192] * 6 + [64] * 2, 2, 2))
+# (prefill page size, decode page size) of the repaged sends: units of 16 and 1 tokens.
+REPAGED_PAIRS = ((64, 16), (16, 1))
+KV_HEADS, HEAD_BYTES, LAYERS = 2, 8, 2  # the prefill's; each decode rank holds one head
+ROOM, TOKENS = 19, 300
 
 
-def main() -> int:
-    import numpy as np
+def main(mode: str = "staged") -> int:
     from triton.runtime import driver
     from triton.runtime.jit import JITFunction
 
@@ -41,9 +51,8 @@ def main() -> int:
         GPU_PLANNER_RECEIVE_STAGING_BYTES=str(4 << 20),
         GPU_PLANNER_GATHER_STAGING_BYTES=str(64 << 10),
     )
-    import test_receive_staging_mooncake as staging
+    import test_receive_staging_mooncake  # noqa: F401  (sglang, with the plugin loaded)
     from cuda_standin import HostCudaRuntime
-    from sglang.srt.disaggregation.utils import DisaggregationMode
     from sglang.srt.distributed.device_communicators.mooncake_transfer_engine import (
         MooncakeTransferEngine,
     )
@@ -51,78 +60,175 @@ def main() -> int:
     import gpu_planner.kernels
     from gpu_planner import settings
     from gpu_planner.cuda_runtime import use_cuda_runtime
-    from gpu_planner.integration.sglang import prefill_routes
-    from gpu_planner.integration.sglang.plugin import warm_up_gpu
     from gpu_planner.kernels import head_gather, head_scatter
 
     # The stand-in's device memory is host memory: let backend="triton" take CPU tensors.
     gpu_planner.kernels.interpreter_enabled = lambda: True
     settings.load()
     engines = MooncakeTransferEngine("127.0.0.1"), MooncakeTransferEngine("127.0.0.1")
-    launches = {"gather": 0, "scatter": 0}  # every launch
-    sent = {"gather": 0, "scatter": 0}  # the sends' launches
-    warmed: set[str] = set()
-    new_after_warmup: list[str] = []
-    statuses = []
+    launched: dict[str, list[int]] = {"gather": [], "scatter": []}  # each launch's page size
     for name, module, launcher in (
         ("gather", head_gather, "launch_gather_head_slices"),
         ("scatter", head_scatter, "launch_scatter_head_slices"),
     ):
-        setattr(module, launcher, counted(launches, name, getattr(module, launcher)))
+        setattr(module, launcher, recorded(launched[name], getattr(module, launcher)))
     with use_cuda_runtime(HostCudaRuntime()) as runtime:
-        for item_lens, device_buffers, chunks in SCENARIOS:
-            deployment = staging.Deployment(
-                engines, item_lens, device_buffers, seed=chunks,
-                place=lambda pool: runtime.place(pool.tensor, 0),
-            )  # fmt: skip
-            # What sglang's KVArgs hold on a prefill (the bench manager keeps what sends read).
-            prefill = deployment.prefill
-            prefill.kv_args.kv_item_lens = list(deployment.source.item_lens)
-            prefill.kv_args.page_size = staging.PAGE_SIZE
-            prefill.disaggregation_mode = DisaggregationMode.PREFILL
-            before_warmup = len(compiled)
-            for manager in (prefill, deployment.decode):
-                warm_up_gpu(None, manager)
-            warmed.update(name for name, _ in compiled[before_warmup:])
-            after_warmup, warmup_launches = len(compiled), dict(launches)
-            rng = np.random.default_rng(chunks)
-            num_pages = 48
-            src_pages = staging.fragmented(rng, num_pages, np.int64)
-            host_pages = staging.fragmented(rng, num_pages)
-            device_pages = staging.fragmented(rng, num_pages) if device_buffers else None
-            info = deployment.request(7, host_pages, device_pages)
-            cuts = np.linspace(0, num_pages, chunks + 1).astype(int)
-            for first, end in zip(cuts[:-1], cuts[1:], strict=True):
-                statuses.append(deployment.send(info, src_pages, slice(first, end)))
-            deployment.deliver(7)
-            statuses.append(deployment.decode.request_status[7])
-            new_after_warmup += [name for name, _ in compiled[after_warmup:]]
-            for name, count in warmup_launches.items():
-                sent[name] += launches[name] - count
-            deployment.close()
-            prefill_routes.ROUTES.forget()
-    print(
-        json.dumps(
-            {
-                "warmed": sorted(warmed),
-                "launches": sent,
-                "new_after_warmup": new_after_warmup,
-                "statuses": statuses,
-            }
-        )
-    )
+        sends = staged_sends if mode == "staged" else repaged_sends
+        print(json.dumps(sends(engines, runtime, launched)))
     return 0
 
 
-def counted(launches: dict[str, int], name: str, launch):
-    """`launch`, counting its calls under `name`."""
+def staged_sends(engines, runtime, launched: dict[str, list[int]]) -> dict:
+    """`SCENARIOS`' staged sends, each deployment's managers warmed up first."""
+    import numpy as np
+    import test_receive_staging_mooncake as staging
+    from sglang.srt.disaggregation.utils import DisaggregationMode
 
-    def counting(*args, **kwargs):
-        launches[name] += 1
+    from gpu_planner.integration.sglang import prefill_routes
+    from gpu_planner.integration.sglang.plugin import warm_up_gpu
+
+    sent = {"gather": 0, "scatter": 0}  # the sends' launches
+    warmed: set[str] = set()
+    new_after_warmup: list[str] = []
+    statuses = []
+    for item_lens, device_buffers, chunks in SCENARIOS:
+        deployment = staging.Deployment(
+            engines, item_lens, device_buffers, seed=chunks,
+            place=lambda pool: runtime.place(pool.tensor, 0),
+        )  # fmt: skip
+        # What sglang's KVArgs hold on a prefill (the bench manager keeps what sends read).
+        prefill = deployment.prefill
+        prefill.kv_args.kv_item_lens = list(deployment.source.item_lens)
+        prefill.kv_args.page_size = staging.PAGE_SIZE
+        prefill.disaggregation_mode = DisaggregationMode.PREFILL
+        before_warmup = len(compiled)
+        for manager in (prefill, deployment.decode):
+            warm_up_gpu(None, manager)
+        warmed.update(name for name, _ in compiled[before_warmup:])
+        after_warmup = len(compiled)
+        warmup_launches = {name: len(pages) for name, pages in launched.items()}
+        rng = np.random.default_rng(chunks)
+        num_pages = 48
+        src_pages = staging.fragmented(rng, num_pages, np.int64)
+        host_pages = staging.fragmented(rng, num_pages)
+        device_pages = staging.fragmented(rng, num_pages) if device_buffers else None
+        info = deployment.request(7, host_pages, device_pages)
+        cuts = np.linspace(0, num_pages, chunks + 1).astype(int)
+        for first, end in zip(cuts[:-1], cuts[1:], strict=True):
+            statuses.append(deployment.send(info, src_pages, slice(first, end)))
+        deployment.deliver(7)
+        statuses.append(deployment.decode.request_status[7])
+        new_after_warmup += [name for name, _ in compiled[after_warmup:]]
+        for name, count in warmup_launches.items():
+            sent[name] += len(launched[name]) - count
+        deployment.close()
+        prefill_routes.ROUTES.forget()
+    return {
+        "warmed": sorted(warmed),
+        "launches": sent,
+        "new_after_warmup": new_after_warmup,
+        "statuses": statuses,
+    }
+
+
+def repaged_sends(engines, runtime, launched: dict[str, list[int]]) -> dict:
+    """`REPAGED_PAIRS`' sends, each pair's managers ended before the next pair's are built."""
+    import gc
+
+    report: dict[str, list] = {}
+    for pair in REPAGED_PAIRS:
+        for key, value in repaged_send(engines, runtime, launched, *pair).items():
+            report.setdefault(key, []).append(value)
+        gc.collect()  # the pair's managers end: the next decode's registration skips them
+    return report
+
+
+def repaged_send(
+    engines, runtime, launched: dict[str, list[int]], prefill_page_size: int, decode_page_size: int
+) -> dict:
+    """A TP-up send in two chunks from a prefill manager warmed up when built, after the
+    decode's registration: the compiles of each step, the gathers' page sizes, the statuses."""
+    import numpy as np
+    import pytest
+    import test_page_sizes_mooncake as page_size_tests
+    from sglang.srt.disaggregation.utils import DisaggregationMode
+    from sglang_plugin_support import conn, deliver_status, make_manager
+
+    from gpu_planner.integration.sglang import page_sizes, send_slots
+    from gpu_planner.integration.sglang.plugin import warm_up_gpu
+
+    monkeypatch = pytest.MonkeyPatch()
+    widths = ([KV_HEADS * HEAD_BYTES] * 2 * LAYERS, [HEAD_BYTES] * 2 * LAYERS)
+    pair = page_size_tests.Pair(
+        engines, monkeypatch, prefill_page_size, decode_page_size, token_bytes=widths
+    )
+    for pool in (pair.source, pair.destination):
+        runtime.place(pool.tensor, 0)
+    # The sending rank's manager, built (and warmed up) as sglang builds it.
+    prefill = make_manager(
+        pair.prefill.engine, kv_data_ptrs=pair.source.ptrs, kv_data_lens=pair.source.lens
+    )
+    prefill.disaggregation_mode, prefill.attn_tp_size = DisaggregationMode.PREFILL, 1
+    kv_args = prefill.kv_args
+    kv_args.page_size, kv_args.kv_item_lens = prefill_page_size, pair.source.item_lens
+    kv_args.kv_layer_ids, kv_args.engine_rank = [], 0
+    kv_args.kv_head_num = kv_args.total_kv_head_num = KV_HEADS
+    prefill.decode_kv_args_table = pair.prefill.decode_kv_args_table
+    before = len(compiled)
+    warm_up_gpu(None, prefill)
+    page_sizes.manager_built_hook(None, prefill)
+    after_warmup = len(compiled)
+    pair.register()  # the decode's registration, parsed by this prefill process
+    after_registration = len(compiled)
+    rng = np.random.default_rng(prefill_page_size + decode_page_size)
+    src_pages = page_size_tests.shuffled_pages(
+        rng, -(-TOKENS // prefill_page_size), prefill_page_size
+    ).astype(np.int64)
+    dst_pages = page_size_tests.shuffled_pages(
+        rng, -(-TOKENS // decode_page_size), decode_page_size
+    )
+    info = conn.TransferInfo.from_zmq(pair.metadata(ROOM, dst_pages))
+    prefill.transfer_infos[ROOM] = {pair.session: info}
+    gathers = len(launched["gather"])
+    cuts = [0, len(src_pages) // 2, len(src_pages)]
+    statuses = [
+        conn.MooncakeKVManager.send_kvcache_slice(
+            prefill,
+            pair.session,
+            src_pages[first:end],
+            pair.destination.ptrs,
+            info.dst_kv_indices[first:end],
+            1,
+            2,
+            pair.destination.item_lens[0],
+            page_size_tests.SLICE_EXECUTOR,
+        )  # fmt: skip
+        for first, end in zip(cuts[:-1], cuts[1:], strict=True)
+    ]
+    send_slots.SEND_SLOTS.release(prefill)
+    deliver_status(prefill, pair.decode, ROOM, page_size_tests.KV_POLL_SUCCESS)
+    statuses.append(pair.decode.request_status[ROOM])
+    pair.close()
+    page_sizes.PREFILL.forget()
+    monkeypatch.undo()
+    return {
+        "warmup": after_warmup - before,
+        "registration": after_registration - after_warmup,
+        "gather_page_sizes": sorted(set(launched["gather"][gathers:])),
+        "statuses": statuses,
+        "new_after_registration": [name for name, _ in compiled[after_registration:]],
+    }
+
+
+def recorded(page_sizes: list[int], launch):
+    """`launch`, appending each call's page size (its last argument) to `page_sizes`."""
+
+    def recording(*args, **kwargs):
+        page_sizes.append(args[-1])
         return launch(*args, **kwargs)
 
-    return counting
+    return recording
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(*sys.argv[1:]))
