@@ -36,7 +36,10 @@ class RoutesByPages(Generic[RouteT]):
         self._lock = threading.Lock()
 
     def add(self, pages: np.ndarray, route: RouteT) -> None:
-        """`pages` belong to `route` while they live."""
+        """`pages` (an array holding its data: a slice of it finds it) belong to `route` while
+        they live."""
+        if isinstance(pages.base, np.ndarray):
+            raise ValueError("pages that view another array: their slices could not find them")
         key, entry = id(pages), _Entry(weakref.ref(pages), pages.ctypes.data, route)
         with self._lock:
             self._entries[key] = entry

@@ -32,6 +32,10 @@ Prefill (`PrefillPageSizes`, one per process: sglang's parsers see no manager):
   size, and record the tokens it covered, which the rank's Success declares.
   sglang's own code never gets a virtual page: a send the hooks cannot plan
   fails (-1).
+- a decode with receive staging lends such a request its part in pages of
+  the unit (`receive_staging`); each chunk's decode pages are a view of the
+  request's unit pages (`RepagedRoute.decode_unit_pages`), by which the
+  staged send finds the part (`prefill_routes`).
 
 What is not served keeps sglang's refusal: state laid out per page (SWA,
 DSA, block scales, ...), decode or prefill context parallelism, sglang's own
@@ -42,6 +46,7 @@ from __future__ import annotations
 
 import contextvars
 import dataclasses
+import math
 import threading
 from typing import Any
 
@@ -59,12 +64,13 @@ from gpu_planner.integration.sglang.page_size_wire import (
 from gpu_planner.integration.sglang.registered_region import PerManager
 from gpu_planner.integration.sglang.staging_warmup import UnitGathers
 from gpu_planner.integration.sglang.staging_wire import KV_POLL_FAILED, KV_POLL_SUCCESS
-from gpu_planner.page_geometry import PageGeometry, common_unit, unit_pages
+from gpu_planner.page_geometry import PageGeometry, common_unit, unit_count, unit_pages
 
 # State kept per request (one row or slot each), which no page size lays out.
 PER_REQUEST_STATES = frozenset({"mamba", "request_row"})
 MAX_ROOMS = 1 << 16  # repaged requests a decode tracks at once: bounds the bookkeeping
 INT32_MAX = 2**31 - 1
+REPAGED_PAGES = "the decode's repaged pages"
 
 
 # Decode side.
@@ -319,7 +325,24 @@ def send_metadata_hook(original: Any, receiver: Any, *args: Any, **kwargs: Any) 
         _SENDING_METADATA.reset(token)
 
 
-def metadata_frames(original: Any, manager: Any, kwargs: dict) -> list[bytes] | None:
+@dataclasses.dataclass(frozen=True)
+class RepagedMetadata:
+    """A request's metadata toward a prefill of another page size, and its pages (None for a
+    request Failed here)."""
+
+    frames: list[bytes]
+    pages: np.ndarray | None
+    page_size: int  # the decode's
+    unit: int  # tokens per page of the prefill's sends: `gcd` of both page sizes
+
+    def unit_pages(self) -> np.ndarray:
+        """The request's pages as pages of `unit` tokens, as the prefill's sends take them."""
+        assert self.pages is not None
+        tokens, geometry = len(self.pages) * self.page_size, PageGeometry(self.page_size)
+        return unit_pages(self.pages, geometry, self.unit, tokens, REPAGED_PAGES)
+
+
+def metadata_frames(original: Any, manager: Any, kwargs: dict) -> RepagedMetadata | None:
     """The metadata toward a prefill of another page size (None: not one): sglang's frames with
     no pages, and the pages in `Repaged`; for a request that cannot be served (or a failure
     here), no pages at all and the request Failed. Never the pages where sglang reads them."""
@@ -336,20 +359,21 @@ def metadata_frames(original: Any, manager: Any, kwargs: dict) -> list[bytes] | 
     no_pages = {"kv_indices": np.empty(0, dtype=np.int32), "device_kv_indices": None}
     frames = original(manager, **{**kwargs, **no_pages, "decode_prefix_len": prefix - held})
     room = kwargs["bootstrap_room"]
+    unit = math.gcd(prefill_page_size, decode.page_size)
     try:
         pages = np.asarray(kwargs["kv_indices"])
         refusal = decode.request_refusal(prefill_page_size, prefix, kwargs["device_kv_indices"])
         if refusal is None:
             added = repaged_frames(pages, held)
             decode.sent(int(room), prefill_page_size, len(pages))
-            return [*frames, *added]
+            return RepagedMetadata([*frames, *added], pages, decode.page_size, unit)
     except Exception as error:  # unserved: no KV goes, the request fails
         refusal = f"gpu_planner: a request to a prefill of another page size ({error})"
     from sglang.srt.disaggregation.base.conn import KVPoll
 
     manager.record_failure(room, refusal)
     manager.update_status(room, KVPoll.Failed)
-    return frames
+    return RepagedMetadata(frames, None, decode.page_size, unit)
 
 
 def declared_toward(manager: Any, msg: list[bytes], room: int, prefill_rank: int) -> None:
@@ -377,6 +401,21 @@ class RepagedRoute:
     prefix: int  # the prefix sglang's prefill skips: its first sent page starts there
     held: int  # tokens of that page the decode holds: sent token 0 is token `prefix + held`
     ranges: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # planned, in order
+    _unit_pages: dict[int, np.ndarray] = dataclasses.field(default_factory=dict)
+
+    def decode_unit_pages(self, unit: int) -> np.ndarray:
+        """The decode's pages of every sent token as pages of `unit` tokens, made once per unit:
+        each chunk's are a view of them, by which a part of the decode's receive staging lent
+        to the request (in these pages) is found."""
+        pages = self._unit_pages.get(unit)
+        if pages is None:
+            tokens = len(self.decode_pages) * self.decode_page_size
+            geometry = PageGeometry(self.decode_page_size)
+            pages = unit_pages(self.decode_pages, geometry, unit, tokens, REPAGED_PAGES)
+            if pages.base is not None:
+                pages = pages.copy()  # an array of its own, which a lent part is keyed by
+            pages = self._unit_pages.setdefault(unit, pages)
+        return pages
 
 
 class PrefillPageSizes:
@@ -422,7 +461,7 @@ class PrefillPageSizes:
         """The page size decode `session` declared, if it did (`bench.page_sizes` reads it)."""
         return self._decodes.get(session)
 
-    def repage(self, info: Any, request: Repaged) -> None:
+    def repage(self, info: Any, request: Repaged) -> RepagedRoute:
         """Give `info` (a parsed TransferInfo) virtual pages for the decode's `request`."""
         decode_page_size = self._decodes.get(info.mooncake_session_id)
         if self.unavailable is not None or decode_page_size is None:
@@ -436,6 +475,7 @@ class PrefillPageSizes:
         )  # fmt: skip
         self._routes.add(virtual, route)
         info.dst_kv_indices = virtual
+        return route
 
     def chunk_for(self, dst_pages: Any) -> tuple[RepagedRoute, int] | None:
         """The repaged request whose virtual pages `dst_pages` slices, and the slice's first
@@ -531,10 +571,10 @@ def unit_send(
     src = PageGeometry(page_size, start - chunk_start)
     dst = PageGeometry(decode_page_size, first % decode_page_size)
     unit = common_unit(src, dst)
-    decode_pages = route.decode_pages[first // decode_page_size :]
+    decode_units = route.decode_unit_pages(unit)  # `unit` divides `first` (and `held`)
     return UnitSend(
         unit_pages(src_pages, src, unit, end - first, "prefill_data_indices"),
-        unit_pages(decode_pages, dst, unit, end - first, "the decode's repaged pages"),
+        decode_units[first // unit : first // unit + unit_count(end - first, unit)],
         unit,
         first,
         end,

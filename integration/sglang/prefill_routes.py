@@ -33,7 +33,7 @@ from gpu_planner.integration.sglang.page_size_wire import (
     registered_page_size,
     repaged_request,
 )
-from gpu_planner.integration.sglang.page_sizes import PREFILL
+from gpu_planner.integration.sglang.page_sizes import PREFILL, RepagedRoute
 from gpu_planner.integration.sglang.staging_wire import (
     KV_POLL_SUCCESS,
     Capability,
@@ -52,6 +52,9 @@ class Route:
     port: int
     region: Capability
     reservation: Reservation
+    # A lent page as a fraction of the decode's page (tokens of a lent page, the decode's page
+    # size): a repaged request's part is lent in the pages its sends take (`page_sizes`).
+    lent_page: tuple[int, int] = (1, 1)
     staged_notes: int = 0  # notes sent for this request: its Success status declares them
 
 
@@ -60,7 +63,10 @@ class StagingRoutes:
 
     def __init__(self) -> None:
         self._peers: dict[str, Capability] = {}  # decode session -> its advertised region
-        self._routes: RoutesByPages[Route] = RoutesByPages()  # by a TransferInfo's pages
+        self._routes: RoutesByPages[Route] = RoutesByPages()  # by the pages a send takes
+        # A repaged request's routes by its TransferInfo's (virtual) pages: what its status
+        # declares is found from them (its sends take the decode's pages, `page_sizes`).
+        self._repaged: RoutesByPages[Route] = RoutesByPages()
         self._lock = threading.Lock()
 
     def advertised(self, session: str, capability: Capability | None) -> None:
@@ -75,9 +81,12 @@ class StagingRoutes:
         """The region `session` advertised, if any (one dict read: no lock)."""
         return self._peers.get(session)
 
-    def lend(self, pages: np.ndarray, route: Route) -> None:
-        """`pages` (a TransferInfo's destination pages) belong to `route` while they live."""
+    def lend(self, pages: np.ndarray, route: Route, virtual: np.ndarray | None = None) -> None:
+        """`pages` (a TransferInfo's destination pages, or a repaged request's decode pages
+        beside its `virtual` ones) belong to `route` while they live."""
         self._routes.add(pages, route)
+        if virtual is not None:
+            self._repaged.add(virtual, route)
 
     def route_for(self, dst_pages: np.ndarray) -> tuple[Route, int] | None:
         """The request `dst_pages` (a slice of its metadata's pages) belongs to, and its first
@@ -96,7 +105,8 @@ class StagingRoutes:
         declared = {}
         with self._lock:
             for info in infos.values():
-                route = self._routes.of(getattr(info, "dst_kv_indices", None))
+                pages = getattr(info, "dst_kv_indices", None)
+                route = self._routes.of(pages) or self._repaged.of(pages)
                 if route is not None:
                     declared[route.session, route.reservation.reservation_id] = route.staged_notes
         return declared
@@ -111,6 +121,7 @@ class StagingRoutes:
         with self._lock:
             self._peers.clear()
         self._routes.clear()
+        self._repaged.clear()
 
 
 ROUTES = StagingRoutes()
@@ -170,11 +181,11 @@ def transfer_info_hook(original: Any, cls: Any, msg: Any, *args: Any, **kwargs: 
     info = original(cls, msg, *args, **kwargs)
     # Unserved (no hook, a malformed frame): the request keeps sglang's empty page list, no
     # KV goes, and the decode fails it when this rank's Success declares no plan.
+    repaged = None
     with best_effort("a request for another page size was not served", "repaged not served"):
-        repaged = None if info.is_dummy else repaged_request(msg)
-        if repaged is not None:
-            PREFILL.repage(info, repaged)
-            return info
+        request = None if info.is_dummy else repaged_request(msg)
+        if request is not None:
+            repaged = PREFILL.repage(info, request)
     with best_effort(
         "a decode's receive-staging reservation was ignored", "staging reservation ignored"
     ):
@@ -182,14 +193,32 @@ def transfer_info_hook(original: Any, cls: Any, msg: Any, *args: Any, **kwargs: 
         reservation = None if region is None else Reservation.from_metadata(msg, region)
         if reservation is None or info.is_dummy:
             return info
-        pages = info.dst_kv_indices
+        if repaged is not None:
+            unit = _lent_unit(repaged, reservation)
+            pages = repaged.decode_unit_pages(unit)  # the pages the request's sends view
+        else:
+            pages = info.dst_kv_indices
         if reservation.pages != len(pages):
             raise ValueError(f"{reservation.pages} pages lent for {len(pages)} pages")
         route = Route(
             info.room, info.mooncake_session_id, info.endpoint, info.dst_port, region, reservation
         )
-        ROUTES.lend(pages, route)
+        if repaged is None:
+            ROUTES.lend(pages, route)
+        else:
+            route.lent_page = (unit, repaged.decode_page_size)
+            ROUTES.lend(pages, route, virtual=info.dst_kv_indices)
     return info
+
+
+def _lent_unit(repaged: RepagedRoute, reservation: Reservation) -> int:
+    """The tokens of each page the decode lent `repaged`'s part in (the `gcd` of both page
+    sizes, which its sends take); `ValueError` where no such unit fills the request."""
+    tokens = len(repaged.decode_pages) * repaged.decode_page_size
+    pages = reservation.pages
+    if not pages or tokens % pages or repaged.decode_page_size % (tokens // pages):
+        raise ValueError(f"{pages} pages lent for {tokens} tokens in pages of a common unit")
+    return tokens // pages
 
 
 def status_message_hook(original: Any, manager: Any, *args: Any, **kwargs: Any) -> Any:

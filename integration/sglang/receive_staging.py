@@ -7,6 +7,8 @@ in host memory for host KV) and advertises it in its KV registration
 the request a part of the region big enough for all of the request's pages
 of every KV buffer (`Reservation`, in the request's metadata) when one is
 free; none free: the request goes as today (counted, never waited for).
+Toward a prefill of another page size the part is lent in pages of the unit
+that prefill's sends take (`page_sizes`), and scattered by them.
 
 A gpu_planner prefill rank that wrote a chunk there says so (`Staged`,
 before its status message, on the same socket); every other chunk it sent
@@ -68,6 +70,7 @@ from gpu_planner.integration.sglang.registered_region import (
     RegisteredRegion,
     kernel_backend,
 )
+from gpu_planner.integration.sglang.staging_warmup import decode_copies
 from gpu_planner.integration.sglang.staging_wire import (
     KV_POLL_FAILED,
     KV_POLL_SUCCESS,
@@ -79,6 +82,7 @@ from gpu_planner.integration.sglang.staging_wire import (
     declared_notes,
     writer_part,
 )
+from gpu_planner.warmup import warm_up_slice_copies
 
 ALIGNMENT = 256  # bytes: every reservation starts as aligned as the region
 MAX_RESERVATIONS = 256  # lendings (lent and quarantined) at once: bounds the bookkeeping
@@ -93,6 +97,10 @@ class Lending:
     room: int
     reservation: Reservation
     host_pages: np.ndarray  # int64 [pages]: the request's pages, as the decode sent them
+    # Each buffer's bytes per lent page, and its tokens: the KV page's, or for a prefill of
+    # another page size the pages of `gcd` tokens its sends take (`page_sizes`).
+    item_lens: tuple[int, ...]
+    page_tokens: int
     device_pages: np.ndarray | None  # int64 [pages]: HiSparse's device pages, or None
     device_buffers: np.ndarray  # bool [buffers]: which decode buffers take the device pages
     notes: dict[int, int] = field(default_factory=dict)  # prefill rank: notes scattered
@@ -181,14 +189,49 @@ class ReceiveRegion(RegisteredRegion):
         self.capability = Capability(self.region.data_ptr(), self.region.numel())
         self.session = manager.get_session_id()  # declarations toward this decode name it
         self._kv = manager.kv_args
-        self._page_bytes = sum(int(item_len) for item_len in self._kv.kv_item_lens)
         self._num_buffers = len(self._kv.kv_data_ptrs)
         self._device_buffers = device_backed_buffers(self._kv)
         self._parts = PartAllocator(nbytes)
         self._lent: dict[int, Lending] = {}  # room: the lending of its live request
         self._lendings: dict[int, Lending] = {}  # reservation id: every lending not yet freed
         self._declared: tuple[int, int, dict[int, int] | str | None] | None = None
+        self._unit_scatters: dict[int, bool] = {}  # lent page tokens: whether compiled
         self._lock = threading.Lock()
+
+    def scatter_compiled(self, page_tokens: int) -> bool:
+        """Whether scatters of lent pages of `page_tokens` tokens compile nothing in a request.
+
+        The KV page's compile with the manager (`staging_warmup`); the first ask
+        for another (a prefill of another page size) starts their compile on a
+        thread of its own, and until it is done such requests are lent nothing:
+        none compiles, none waits.
+        """
+        if self.torch_device.type != "cuda" or page_tokens == int(self._kv.page_size):
+            return True
+        with self._lock:
+            compiled = self._unit_scatters.get(page_tokens)
+            if compiled is None:
+                self._unit_scatters[page_tokens] = False
+                threading.Thread(
+                    target=self._compile_scatters,
+                    args=(page_tokens,),
+                    name="gpu_planner-scatter-compile",
+                    daemon=True,
+                ).start()
+        return bool(compiled)
+
+    def _compile_scatters(self, page_tokens: int) -> None:
+        with best_effort(
+            "the scatters for another page size did not compile: its requests go direct",
+            "scatter compile",
+        ):
+            page_size = int(self._kv.page_size)
+            lens = [int(length) // page_size * page_tokens for length in self._kv.kv_item_lens]
+            kv_heads = int(getattr(self._kv, "kv_head_num", 1) or 1)
+            copies = decode_copies(self._kv.kv_data_ptrs, lens, page_tokens, kv_heads)
+            warm_up_slice_copies(self.torch_device, copies)
+            with self._lock:
+                self._unit_scatters[page_tokens] = True
 
     # Scheduler thread: lending.
 
@@ -198,15 +241,30 @@ class ReceiveRegion(RegisteredRegion):
         room: int,
         host_pages: np.ndarray,
         device_pages: np.ndarray | None,
+        page_tokens: int | None = None,
     ) -> Reservation | str:
-        """A part for `room`'s request (the same one when it asks again), or why none is lent."""
+        """A part for `room`'s request (the same one when it asks again), or why none is lent.
+
+        `page_tokens`: the tokens of each of `host_pages` where they are not KV pages (a
+        request toward a prefill of another page size: pages of a unit dividing the KV's).
+        """
         host_pages = np.array(host_pages, dtype=np.int64)
         device_pages = None if device_pages is None else np.array(device_pages, dtype=np.int64)
-        nbytes = len(host_pages) * self._page_bytes
+        page_size = int(self._kv.page_size)
+        page_tokens = page_size if page_tokens is None else int(page_tokens)
+        if not 1 <= page_tokens <= page_size or page_size % page_tokens:
+            return f"lent pages of {page_tokens} tokens do not divide a KV page of {page_size}"
+        kv_item_lens = self._kv.kv_item_lens
+        item_lens = tuple(int(length) // page_size * page_tokens for length in kv_item_lens)
+        nbytes = len(host_pages) * sum(item_lens)
         with self._lock:
             self._sweep(request_status)
             lent = self._lent.get(room)
-            if lent is not None and lent.same_request(host_pages, device_pages):
+            if (
+                lent is not None
+                and lent.page_tokens == page_tokens
+                and lent.same_request(host_pages, device_pages)
+            ):
                 return lent.reservation
             if lent is not None:  # other pages: a new request of this room
                 self._end(lent)
@@ -223,7 +281,9 @@ class ReceiveRegion(RegisteredRegion):
             device_buffers = np.zeros(self._num_buffers, dtype=bool)
             if device_pages is not None:
                 device_buffers = self._device_buffers
-            lending = Lending(room, reservation, host_pages, device_pages, device_buffers)
+            lending = Lending(
+                room, reservation, host_pages, item_lens, page_tokens, device_pages, device_buffers
+            )
             self._lent[room] = lending
             self._lendings[reservation.reservation_id] = lending
             return reservation
@@ -359,7 +419,7 @@ class ReceiveRegion(RegisteredRegion):
             raise ValueError(f"buffer {entry} takes the request's {space} pages, not the note's")
         unit = staged.writers * int(self._kv.page_size)
         item_lens = np.asarray(self._kv.kv_item_lens, dtype=np.int64)
-        if (item_lens % unit).any() or self._page_bytes % staged.writers:
+        if (item_lens % unit).any() or sum(lending.item_lens) % staged.writers:
             raise ValueError(f"KV pages that {staged.writers} writers cannot share by tokens")
         claimed = lending.claimed.setdefault(staged.prefill_rank, [])
         chunks = []
@@ -377,19 +437,20 @@ class ReceiveRegion(RegisteredRegion):
         """Scatter each chunk into its pages; on a device, record the event Success waits for."""
         entries = staged.entries.tolist()
         dst_ptrs = tuple(int(self._kv.kv_data_ptrs[entry]) for entry in entries)
-        dst_page_lens = tuple(int(self._kv.kv_item_lens[entry]) for entry in entries)
+        dst_page_lens = tuple(lending.item_lens[entry] for entry in entries)
         dst_lens = [int(self._kv.kv_data_lens[entry]) for entry in entries]
         part, _ = writer_part(lending.reservation.nbytes, staged.writers, staged.writer)
         device_pages = lending.device_pages
-        page_size = int(self._kv.page_size)
+        page_bytes = sum(lending.item_lens)
         runtime = cuda_runtime()
         with on_torch_device(self.torch_device):
             for start, count in chunks:
                 base = lending.reservation.offset + part
-                base += chunk_offset(self._page_bytes, staged.writers, start)
+                base += chunk_offset(page_bytes, staged.writers, start)
                 layout = chunk_scatter_layout(
-                    dst_ptrs, dst_page_lens, page_size, staged.writers, staged.writer, count
-                )
+                    dst_ptrs, dst_page_lens, lending.page_tokens, staged.writers, staged.writer,
+                    count,
+                )  # fmt: skip
                 scatter_head_slices(
                     layout,
                     lending.host_pages[start : start + count],
@@ -567,7 +628,7 @@ def decode_hooks_registered(registered: bool) -> None:
 
 
 NOT_ALL_HOOKS = "the decode's receive-staging hooks are not all registered"
-OTHER_PAGE_SIZE = "the prefill has another page size"
+SCATTER_COMPILING = "the scatter for the prefill's page size is compiling"
 
 
 # The decode's hooks. Each returns what sglang's own code returns (plus the
@@ -596,24 +657,27 @@ def registration_message_hook(original: Any, manager: Any, *args: Any, **kwargs:
 
 
 def metadata_message_hook(original: Any, manager: Any, *args: Any, **kwargs: Any) -> Any:
-    """sglang's per-request metadata: toward a prefill of another page size, its pages in
-    gpu_planner's frame only (`page_sizes`); else with a part of the region lent to it."""
-    if _is_decode(manager) and not args:
-        repaged = page_sizes.metadata_frames(original, manager, kwargs)
-        if repaged is not None:  # never staged: a note's chunks are in the decode's pages
-            if REGIONS.existing(manager) is not None:
-                record_receive_fallback(OTHER_PAGE_SIZE)
-            return repaged
-    frames = original(manager, *args, **kwargs)
+    """sglang's per-request metadata with a part of the region lent to it; toward a prefill of
+    another page size, its pages in gpu_planner's frame only (`page_sizes`), and the part lent
+    in the pages that prefill's sends take."""
+    decode = _is_decode(manager) and not args
+    repaged = page_sizes.metadata_frames(original, manager, kwargs) if decode else None
+    frames = original(manager, *args, **kwargs) if repaged is None else repaged.frames
     with best_effort("no receive staging lent", "receive staging not lent"):
-        region = REGIONS.existing(manager) if _is_decode(manager) and not args else None
+        region = REGIONS.existing(manager) if decode else None
         if region is None or kwargs.get("is_dummy"):
             return frames
+        pages, device_pages = kwargs["kv_indices"], kwargs.get("device_kv_indices")
+        page_tokens = None
+        if repaged is not None:
+            if repaged.pages is None:
+                return frames  # the request failed here: nothing goes
+            if not region.scatter_compiled(repaged.unit):
+                record_receive_fallback(SCATTER_COMPILING)
+                return frames
+            pages, device_pages, page_tokens = repaged.unit_pages(), None, repaged.unit
         lent = region.reserve(
-            manager.request_status,
-            int(kwargs["bootstrap_room"]),
-            kwargs["kv_indices"],
-            kwargs.get("device_kv_indices"),
+            manager.request_status, int(kwargs["bootstrap_room"]), pages, device_pages, page_tokens
         )
         if isinstance(lent, str):
             record_receive_fallback(lent)

@@ -69,7 +69,6 @@ def send_kvcache_generic_hook(manager: conn.MooncakeKVManager, *args, **kwargs) 
         return 0
     plan, buffers = planned
     session = call.mooncake_session_id
-    nbytes = call.prefill_data_indices.size * buffers.page_bytes  # `plan.total_bytes`, in O(1)
     deciding = time.perf_counter()
     decision = generic_path(
         manager,
@@ -80,9 +79,27 @@ def send_kvcache_generic_hook(manager: conn.MooncakeKVManager, *args, **kwargs) 
         plan.num_descriptors,
     )
     if decision.path == STAGED:
-        return send_staged(
+        status = send_staged(
             manager, session, decision, call.prefill_data_indices, call.executor, deciding
         )
+    else:
+        status = _send_planned(manager, call, plan, buffers, started)
+    if status == 0 and repaged is not None:
+        PREFILL.planned(route, chunk.first, chunk.end)
+    return status
+
+
+def _send_planned(
+    manager: conn.MooncakeKVManager,
+    call: SendCall,
+    plan: gp.TransferPlan,
+    buffers: PlannedBuffers,
+    started: float,
+) -> int:
+    """`plan`'s descriptors through the engine, as sglang's send hands them over (`started`:
+    when planning began, its time counted)."""
+    session = call.mooncake_session_id
+    nbytes = call.prefill_data_indices.size * buffers.page_bytes  # `plan.total_bytes`, in O(1)
     direct_started = time.perf_counter()
     engine_handoff = sglang_handoff(manager.engine)
     num_descriptors = plan.num_descriptors
@@ -98,8 +115,6 @@ def send_kvcache_generic_hook(manager: conn.MooncakeKVManager, *args, **kwargs) 
     status = _send_direct(manager, call, plan, engine_handoff)
     if status == 0:
         observe(session, DIRECT, num_descriptors, nbytes, time.perf_counter() - direct_started)
-        if repaged is not None:
-            PREFILL.planned(route, chunk.first, chunk.end)
     return status
 
 

@@ -162,10 +162,10 @@ def send_kvcache_slice_hook(manager: conn.MooncakeKVManager, *args, **kwargs) ->
             manager, session, layout, pages, pages[1], call.dst_attn_tp_size
         )
         if decision.path == send_path.STAGED:
-            return send_path.send_staged(
+            status = send_path.send_staged(
                 manager, session, decision, pages[0], call.executor, started
             )
-        if decision.path == send_path.GATHERED:
+        elif decision.path == send_path.GATHERED:
             status = gathered.write_gathered(
                 manager, session, decision.gathered_send, decision.lease, pages[0],
                 call.executor, started,

@@ -153,7 +153,7 @@ def line_up(
     if found is None:
         return NO_PART_LENT
     route, page_start = found
-    decode = _decode_entries(manager, session, entries)
+    decode = _decode_entries(manager, session, entries, route.lent_page)
     if isinstance(decode, str):
         return decode
     decode_page_bytes, entry_ids = decode
@@ -336,18 +336,23 @@ def _gather_layout(src_ptrs: tuple[int, ...], page_lens: tuple[int, ...]) -> Hea
 
 
 def _decode_entries(
-    manager: Any, session: str, entries: StagedEntries
+    manager: Any, session: str, entries: StagedEntries, lent_page: tuple[int, int]
 ) -> tuple[int, list[int]] | str:
-    """(decode bytes per page over all its buffers, the decode index of each entry)."""
+    """(decode bytes per lent page over all its buffers, the decode index of each entry);
+    a lent page is `lent_page[0] / lent_page[1]` of a decode page (`Route.lent_page`)."""
     decode = getattr(manager, "decode_kv_args_table", {}).get(session)
     if decode is None:
         return DECODE_UNKNOWN
+    item_lens = tuple(decode.dst_kv_item_lens) or (int(decode.dst_kv_item_len),) * len(
+        decode.dst_kv_ptrs
+    )
+    tokens, page_size = lent_page
+    if tokens != page_size:
+        if any(int(length) * tokens % page_size for length in item_lens):
+            return PART_MISMATCH
+        item_lens = tuple(int(length) * tokens // page_size for length in item_lens)
     return _entry_ids(
-        tuple(decode.dst_kv_ptrs),
-        tuple(decode.dst_kv_item_lens) or (int(decode.dst_kv_item_len),) * len(decode.dst_kv_ptrs),
-        entries.keys[1],
-        entries.keys[2],
-        entries.writers,
+        tuple(decode.dst_kv_ptrs), item_lens, entries.keys[1], entries.keys[2], entries.writers
     )
 
 

@@ -49,10 +49,17 @@ def prefill_copies(
 ) -> list[SliceCopies]:
     """The gathers a prefill with these KV buffers makes into its send slots."""
     item_lens = [int(length) for length in item_lens]
-    staged = SliceCopies(
-        scatter=False, page_size=1, slice_lens=tuple(item_lens), unit=_unit(ptrs, item_lens)
+    return [
+        _staged_gather(ptrs, item_lens),
+        *_head_slice_gathers(ptrs, item_lens, page_size, kv_heads, mla, page_size),
+    ]
+
+
+def _staged_gather(ptrs: Sequence[int], page_lens: list[int]) -> SliceCopies:
+    """The gather of a staged send: whole pages of `page_lens` bytes of every buffer."""
+    return SliceCopies(
+        scatter=False, page_size=1, slice_lens=tuple(page_lens), unit=_unit(ptrs, page_lens)
     )
-    return [staged, *_head_slice_gathers(ptrs, item_lens, page_size, kv_heads, mla, page_size)]
 
 
 def unit_copies(
@@ -63,13 +70,18 @@ def unit_copies(
     mla: bool,
     decode_page_size: int,
 ) -> list[SliceCopies]:
-    """The gathers such a prefill adds toward a decode of `decode_page_size`: its TP-up head
-    slices at pages of their gcd (`page_sizes.unit_send`); none where that is its page size."""
+    """The gathers such a prefill adds toward a decode of `decode_page_size`: its sends go in
+    pages of their gcd (`page_sizes.unit_send`): staged sends gather those whole pages, TP-up
+    head slices are gathered per token on them. None where that is its page size."""
     unit = math.gcd(page_size, decode_page_size)
     if unit == page_size:
         return []  # `prefill_copies` has them
     item_lens = [int(length) for length in item_lens]
-    return _head_slice_gathers(ptrs, item_lens, page_size, kv_heads, mla, unit)
+    unit_lens = [length // page_size * unit for length in item_lens]
+    return [
+        _staged_gather(ptrs, unit_lens),
+        *_head_slice_gathers(ptrs, item_lens, page_size, kv_heads, mla, unit),
+    ]
 
 
 def _head_slice_gathers(

@@ -6,6 +6,7 @@ from __future__ import annotations
 import gc
 
 import numpy as np
+import pytest
 
 from gpu_planner.integration.sglang.page_array_routes import RoutesByPages
 
@@ -21,6 +22,8 @@ def test_a_route_is_found_from_contiguous_slices_of_its_own_array_only():
     for other in (pages[::2], pages[1::3], pages.copy(), pages.view(np.uint32)[3:7], [1, 2]):
         assert routes.find(other) is None
     assert routes.of(pages[:]) is None  # a view is not the registered array
+    with pytest.raises(ValueError, match="view another array"):
+        routes.add(pages[2:], "a view")
 
 
 def test_a_route_ends_with_its_array_and_a_reused_id_finds_nothing():

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import concurrent.futures
 import inspect
+import threading
+import time
 import types
 
 import numpy as np
@@ -36,8 +38,16 @@ from suite_support import set_knob
 
 from bench.page_sizes import route_answer
 from gpu_planner import settings
-from gpu_planner.integration.sglang import counters, page_sizes, receive_staging, send_slots
+from gpu_planner.integration.sglang import (
+    counters,
+    page_sizes,
+    prefill_routes,
+    receive_staging,
+    send_slots,
+)
 from gpu_planner.integration.sglang.page_size_wire import PLANNED_TAG, REPAGED_TAG
+from gpu_planner.integration.sglang.staging_wire import STAGED_TAG
+from gpu_planner.kernels import interpreter_enabled
 
 POOL_TOKENS = 1024  # each side's pool, in tokens
 TOKEN_BYTES = [8, 8, 4, 4]  # K and V of two layers, bytes per token (unequal: caught per buffer)
@@ -58,6 +68,7 @@ class Pair:
         decode_page_size: int,
         mla=False,
         token_bytes: tuple[list[int], list[int]] = (TOKEN_BYTES, TOKEN_BYTES),
+        place=None,
     ):
         prefill_engine, decode_engine = engines
         self.prefill_page_size, self.decode_page_size = prefill_page_size, decode_page_size
@@ -75,6 +86,9 @@ class Pair:
             "zeros",
             pages=POOL_TOKENS // decode_page_size,
         )
+        if place is not None:  # both pools stand for a GPU's (`host_cuda`)
+            place(self.source.tensor, 0)
+            place(self.destination.tensor, 0)
         self.decode = make_decode_manager(
             decode_engine,
             self.destination.ptrs,
@@ -88,6 +102,7 @@ class Pair:
         self.prefill.kv_args.page_size = prefill_page_size
         self.prefill.kv_args.kv_item_lens = self.source.item_lens
         self.session = decode_engine.session_id
+        self.notes: list[list[bytes]] = []
         self.prefill.decode_kv_args_table = {}
         page_sizes.manager_built_hook(None, _as_prefill(self.prefill))
         decode = self.decode  # what sglang's fetch of the prefill's info reads
@@ -132,7 +147,19 @@ class Pair:
         self.prefill.transfer_infos[room] = {self.session: info}
         return info
 
-    def send_chunks(self, info, src_pages: np.ndarray, cuts: list[int]) -> list[int]:
+    def keep_notes(self, prefill) -> None:
+        """Keep what `prefill` sends the decode on sglang's status socket (staged notes)."""
+        prefill._send_multipart_locked = lambda _, parts, is_ipv6=False: self.notes.append(parts)
+
+    def deliver_notes(self) -> int:
+        """The kept notes through the decode's hooked chunk handler; how many there were."""
+        notes, self.notes = self.notes, []
+        for note in notes:
+            assert note[0] == STAGED_TAG
+            assert conn.MooncakeKVManager.handle_chunk_ready(self.decode, note)
+        return len(notes)
+
+    def send_chunks(self, info, src_pages: np.ndarray, cuts: list[int], executor=None) -> list[int]:
         """Each chunk as sglang's transfer worker sends it: the decode's pages cut by the
         chunk's prefill pages (`req.dst_kv_indices[kv_chunk.index_slice]`), truncated as it
         truncates; no call where the chunk's destination is empty."""
@@ -151,7 +178,7 @@ class Pair:
                     item_lens=self.source.item_lens,
                     prefill_data_indices=src,
                     dst_data_indices=dst,
-                    executor=None,
+                    executor=executor,
                 )
             )
         return statuses
@@ -209,6 +236,8 @@ class Pair:
         return runs
 
     def close(self) -> None:
+        receive_staging.REGIONS.release(self.decode)
+        send_slots.SEND_SLOTS.release(self.prefill)
         for pool in (self.source, self.destination):
             pool.close()
         page_sizes.DECODES.release(self.decode)
@@ -223,19 +252,39 @@ def _as_prefill(manager):
 
 @pytest.fixture
 def pairs(engines, monkeypatch):
+    """Pairs made by `make`; their decode lends no receive staging (`staged_pairs` does)."""
     set_knob(monkeypatch, settings.GATHER_STAGING_BYTES.name, str(4 << 20))  # 1 MiB slots
+    set_knob(monkeypatch, settings.RECEIVE_STAGING_BYTES.name, "0")
     settings.load()
     made: list[Pair] = []
 
-    def make(prefill_page_size: int, decode_page_size: int, mla=False, token_bytes=None) -> Pair:
+    def make(
+        prefill_page_size: int, decode_page_size: int, mla=False, token_bytes=None, place=None
+    ) -> Pair:
         widths = token_bytes or (TOKEN_BYTES, TOKEN_BYTES)
-        made.append(Pair(engines, monkeypatch, prefill_page_size, decode_page_size, mla, widths))
+        made.append(
+            Pair(engines, monkeypatch, prefill_page_size, decode_page_size, mla, widths, place)
+        )
         return made[-1]
 
     yield make
     for pair in made:
         pair.close()
     page_sizes.PREFILL.forget()
+    prefill_routes.ROUTES.forget()
+
+
+@pytest.fixture
+def staged_pairs(pairs, monkeypatch):
+    """`pairs` whose decode lends receive staging, and whose prefill stages a send of eight
+    descriptors or more."""
+    set_knob(monkeypatch, settings.RECEIVE_STAGING_BYTES.name, str(4 << 20))
+    set_knob(monkeypatch, settings.STAGING_MIN_DESCRIPTORS.name, "8")
+    settings.load()
+    return pairs
+
+
+STAGING_EXECUTOR = concurrent.futures.ThreadPoolExecutor(1)  # sglang's, per transfer queue
 
 
 def shuffled_pages(rng: np.random.Generator, count: int, page_size: int) -> np.ndarray:
@@ -327,6 +376,92 @@ def test_a_decode_prefix_inside_a_prefill_page_is_served(
     np.testing.assert_array_equal(
         pair.destination.tensor.numpy(), pair.expected_pool(src_pages, dst_pages, held=held)
     )
+
+
+@pytest.mark.parametrize(
+    ("prefill_page_size", "decode_page_size", "prefix"),
+    [(64, 16, 0), (16, 64, 0), (64, 16, 48), (16, 1, 32), (32, 64, 64)],
+)
+def test_a_staged_send_to_another_page_size_lands_every_sent_token(
+    staged_pairs, prefill_page_size, decode_page_size, prefix
+):
+    """A decode with receive staging lends the request a part in the pages the prefill's sends
+    take (`gcd` tokens): each chunk is staged there, scattered by the decode into its pages,
+    and the pool holds every sent token and nothing else; the part comes back at Success."""
+    pair = staged_pairs(prefill_page_size, decode_page_size)
+    pair.keep_notes(pair.prefill)
+    rng = np.random.default_rng(prefill_page_size * 7 + decode_page_size + prefix)
+    held, num_tokens = prefix % prefill_page_size, 600
+    src_pages = shuffled_pages(rng, -(-(held + num_tokens) // prefill_page_size), prefill_page_size)
+    dst_pages = shuffled_pages(rng, -(-num_tokens // decode_page_size), decode_page_size)
+    region = receive_staging.REGIONS.existing(pair.decode)
+    info = pair.parse(21, pair.metadata(21, dst_pages, prefix=prefix))
+    assert region.lent_rooms == 1
+    cuts = [0, 1, len(src_pages) // 2, len(src_pages)]
+    before = counters.snapshot()["sends"]
+    statuses = pair.send_chunks(info, src_pages.astype(np.int64), cuts, STAGING_EXECUTOR)
+    assert statuses == [0, 0, 0]
+    staged = counters.snapshot()["sends"].get("staged/arrays", 0) - before.get("staged/arrays", 0)
+    assert pair.deliver_notes() == staged > 0, counters.snapshot()["paths_chosen"]
+    deliver_status(pair.prefill, pair.decode, 21, KV_POLL_SUCCESS)
+    assert pair.decode.request_status[21] == KV_POLL_SUCCESS, pair.decode.failure_records
+    np.testing.assert_array_equal(
+        pair.destination.tensor.numpy(), pair.expected_pool(src_pages, dst_pages, held=held)
+    )
+    assert region.lent_rooms == 0
+
+
+@pytest.mark.skipif(not interpreter_enabled(), reason="the stand-in's kernels need Triton's")
+def test_a_gpu_decode_lends_unit_pages_once_their_scatter_compiled_off_the_request_path(
+    staged_pairs, host_cuda, monkeypatch
+):
+    """On a GPU (the CUDA stand-in, its kernels on the Triton interpreter) the scatter of pages
+    of another unit is no variant the manager's warm-up compiled: the first request toward such
+    a prefill starts its compile on a thread of its own and is lent nothing (counted, sent
+    direct), as is every request until it is done; then requests are lent and staged."""
+    compiling, compiles = threading.Event(), []
+    warm_up = receive_staging.warm_up_slice_copies
+
+    def gated_warm_up(torch_device, copies):
+        compiles.append(sorted({copy.page_size for copy in copies}))
+        assert compiling.wait(60)
+        return warm_up(torch_device, copies)
+
+    monkeypatch.setattr(receive_staging, "warm_up_slice_copies", gated_warm_up)
+    pair = staged_pairs(16, 64, place=host_cuda.place)
+    pair.keep_notes(pair.prefill)
+    region = receive_staging.REGIONS.existing(pair.decode)
+    assert region.torch_device.type == "cuda"
+    rng = np.random.default_rng(3)
+    src_pages, dst_pages = shuffled_pages(rng, 16, 16), shuffled_pages(rng, 4, 64)
+    expected = pair.expected_pool(src_pages, dst_pages)
+    before = counters.snapshot()
+    for room in (31, 32):  # while it compiles: direct
+        info = pair.parse(room, pair.metadata(room, dst_pages))
+        assert region.lent_rooms == 0
+        assert pair.send_chunks(info, src_pages.astype(np.int64), [0, 8, 16]) == [0, 0]
+        assert pair.deliver_notes() == 0
+        deliver_status(pair.prefill, pair.decode, room, KV_POLL_SUCCESS)
+        assert pair.decode.request_status[room] == KV_POLL_SUCCESS
+    compiling.set()
+    deadline = time.monotonic() + 120
+    while not region.scatter_compiled(16):
+        assert time.monotonic() < deadline, "the scatter's compile did not end"
+        time.sleep(0.05)
+    assert compiles == [[16]]  # once, for pages of gcd(16, 64) tokens
+    pair.destination.tensor.zero_()
+    info = pair.parse(33, pair.metadata(33, dst_pages))
+    assert region.lent_rooms == 1
+    assert pair.send_chunks(info, src_pages.astype(np.int64), [0, 8, 16], STAGING_EXECUTOR) == [
+        0,
+        0,
+    ]
+    assert pair.deliver_notes() == 2
+    deliver_status(pair.prefill, pair.decode, 33, KV_POLL_SUCCESS)
+    assert pair.decode.request_status[33] == KV_POLL_SUCCESS, pair.decode.failure_records
+    np.testing.assert_array_equal(pair.destination.tensor.numpy(), expected)
+    reason, key = receive_staging.SCATTER_COMPILING, "receive_staging_fallbacks"
+    assert counters.snapshot()[key][reason] - before[key].get(reason, 0) == 2
 
 
 def test_a_prefix_not_of_whole_decode_pages_fails_the_request_before_any_byte(pairs):
@@ -457,13 +592,18 @@ SLICE_EXECUTOR = concurrent.futures.ThreadPoolExecutor(2)  # sglang's per-layer 
 
 
 @pytest.mark.parametrize(("prefill_page_size", "decode_page_size"), [(64, 16), (16, 64), (16, 1)])
-@pytest.mark.parametrize(("prefill_tp", "decode_tp"), [(2, 1), (1, 2)])
+@pytest.mark.parametrize(
+    ("prefill_tp", "decode_tp", "staged"), [(2, 1, False), (1, 2, False), (2, 1, True)]
+)
 def test_head_slices_between_attention_tp_sizes_land_every_sent_token(
-    pairs, prefill_page_size, decode_page_size, prefill_tp, decode_tp
+    request, prefill_page_size, decode_page_size, prefill_tp, decode_tp, staged
 ):
     """MHA with 4 KV heads, prefill TP 2 -> decode TP 1 (each prefill rank sends its heads into
     every decode token: both must declare) and TP 1 -> TP 2 (the prefill sends each decode rank
-    its heads; here rank 1): every sent token's head slice in its decode slot."""
+    its heads; here rank 1): every sent token's head slice in its decode slot. `staged`: the
+    decode lends receive staging, and each TP-down rank's share of every token goes there and
+    is scattered into the decode's slots."""
+    pairs = request.getfixturevalue("staged_pairs" if staged else "pairs")
     heads = 4
     prefill_heads, decode_heads = heads // prefill_tp, heads // decode_tp
     layers = 2
@@ -492,6 +632,7 @@ def test_head_slices_between_attention_tp_sizes_land_every_sent_token(
         kv_args.kv_layer_ids, kv_args.engine_rank = [], rank
         kv_args.kv_head_num, kv_args.total_kv_head_num = prefill_heads, heads
         prefill.decode_kv_args_table = pair.prefill.decode_kv_args_table
+        pair.keep_notes(prefill)
         info = conn.TransferInfo.from_zmq(frames)  # this rank's own parse
         prefill.transfer_infos[19] = {pair.session: info}
         cuts = [0, len(src_pages) // 2, len(src_pages)]
@@ -509,6 +650,7 @@ def test_head_slices_between_attention_tp_sizes_land_every_sent_token(
             )
             assert status == 0
         send_slots.SEND_SLOTS.release(prefill)
+        assert pair.deliver_notes() == (2 if staged else 0)
         deliver_status(prefill, pair.decode, 19, KV_POLL_SUCCESS)
         # prefill rank r holds heads [r * prefill_heads, ...); decode rank d [d * decode_heads, ...)
         first_head = max(rank * prefill_heads, decode_rank * decode_heads)
@@ -520,8 +662,10 @@ def test_head_slices_between_attention_tp_sizes_land_every_sent_token(
         )
     assert pair.decode.request_status[19] == KV_POLL_SUCCESS, pair.decode.failure_records
     np.testing.assert_array_equal(pair.destination.tensor.numpy(), expected)
-    # TP-up: gathered into send slots as whole (unit) decode pages; TP-down: per token.
+    # TP-up: gathered into send slots as whole (unit) decode pages; TP-down: per token, or
+    # staged into the decode's receive staging.
     path = "gathered/arrays" if prefill_tp < decode_tp else "slice/arrays"
+    path = "staged/arrays" if staged else path
     assert counters.snapshot()["sends"].get(path, 0) - before.get(path, 0) == 2 * ranks, (
         counters.snapshot()["paths_chosen"]
     )

@@ -23,19 +23,23 @@ from gpu_planner.integration.sglang import page_sizes, staging_warmup
 HEAD_BYTES = 256
 
 
-def test_unit_copies_are_the_head_slices_at_the_gcd_of_the_page_sizes():
-    """The gathered entry of `prefill_copies` (same slices and copy unit) at gcd(P, Q) tokens a
-    page; nothing where that is the prefill's page size, for MLA, or unequal item lengths."""
+def test_unit_copies_are_the_staged_pages_and_head_slices_at_the_gcd_of_the_page_sizes():
+    """The entries of `prefill_copies` at gcd(P, Q) tokens a page: the staged gather of whole
+    unit pages, and the gathered head slices (same slices and copy unit) on unit pages; the
+    staged gather alone for MLA or unequal item lengths; nothing where the unit is P."""
     ptrs, item_lens = [4096 * (buffer + 1) for buffer in range(4)], [64 * 2 * HEAD_BYTES] * 4
     own = staging_warmup.prefill_copies(ptrs, item_lens, 64, 2, mla=False)[1]
     for decode_page_size, unit in ((16, 16), (1, 1), (48, 16), (96, 32)):
-        (copies,) = staging_warmup.unit_copies(ptrs, item_lens, 64, 2, False, decode_page_size)
+        staged, copies = staging_warmup.unit_copies(ptrs, item_lens, 64, 2, False, decode_page_size)
+        assert (staged.page_size, staged.scatter) == (1, False)
+        assert staged.slice_lens == (unit * 2 * HEAD_BYTES,) * 4  # a unit page of each buffer
         assert copies.page_size == unit and not copies.scatter
         assert (copies.slice_lens, copies.unit) == (own.slice_lens, own.unit) == ((256, 512), 16)
     for decode_page_size in (64, 128):  # 64 divides it: the manager's own pages
         assert staging_warmup.unit_copies(ptrs, item_lens, 64, 2, False, decode_page_size) == []
-    assert staging_warmup.unit_copies(ptrs, item_lens, 64, 2, True, 16) == []
-    assert staging_warmup.unit_copies(ptrs, [64 * 512, 64 * 256], 64, 2, False, 16) == []
+    for mla, lens in ((True, item_lens), (False, [64 * 512, 64 * 256])):
+        (staged,) = staging_warmup.unit_copies(ptrs, lens, 64, 2, mla, 16)
+        assert staged.slice_lens == tuple(length // 4 for length in lens)
 
 
 class Manager:
@@ -83,7 +87,8 @@ def test_a_registration_compiles_the_units_its_page_size_adds_once_per_manager(g
     for manager in (page_64, page_16):
         gathers.prefill.manager_built(manager)
     gathers.prefill.registered("decode-a", 16)  # page_64 gets unit 16; page_16 has it
-    assert gathers.launched == launches(64, 16) and set(gathers.launched) == {16}
+    # The staged gather copies whole unit pages (launched as pages of 1), the head slices 16.
+    assert gathers.launched == launches(64, 16) and set(gathers.launched) == {1, 16}
     gathers.launched.clear()
     for session, decode_page_size in (("decode-b", 48), ("decode-c", 64), ("decode-d", None)):
         gathers.prefill.registered(session, decode_page_size)
