@@ -8,10 +8,11 @@ in tagged frames that a plain sglang peer never reads:
   registration: the tag, then `<Q` the decode's page size.
 - `Repaged` (decode -> prefill), appended after the 10 frames of a request's
   metadata when the prefill's page size is not the decode's: the tag, the
-  request's destination pages (int32, in the decode's page size), then `<Q`
-  the tokens of the prefill's first sent page that the decode already holds
-  (its cached prefix, rounded down to the prefill's pages in sglang's
-  `decode_prefix_len`, leaves them). sglang's own page frames (4 and 9) go
+  request's destination pages (int32, in the decode's page size), `<Q` the
+  tokens of the prefill's first sent page that the decode already holds (its
+  cached prefix, rounded down to the prefill's pages in sglang's
+  `decode_prefix_len`, leaves them), then HiSparse's device pages (int32, one
+  per destination page; empty: none). sglang's own page frames (4 and 9) go
   empty then, so a plain sglang prefill, which would address them in its own
   page size, writes no KV: the decode fails the request when that prefill's
   Success declares nothing (below).
@@ -72,10 +73,20 @@ def registered_page_size(frames: list[bytes]) -> int | None:
     return page_size
 
 
-def repaged_frames(pages: np.ndarray, held: int) -> list[bytes]:
-    """`Repaged`: the frames a decode appends to a request's metadata (its pages, int32, and the
-    `held` tokens of the prefill's first sent page it already holds)."""
-    return [REPAGED_TAG, pages_to_int32_bytes(pages, "repaged pages"), struct.pack("<Q", held)]
+def repaged_frames(
+    pages: np.ndarray, held: int, device_pages: np.ndarray | None = None
+) -> list[bytes]:
+    """`Repaged`: the frames a decode appends to a request's metadata (its pages, int32, the
+    `held` tokens of the prefill's first sent page it already holds, HiSparse's device pages)."""
+    if device_pages is not None and len(device_pages) != len(pages):
+        raise ValueError(f"{len(device_pages)} device pages for {len(pages)} pages")
+    device = b"" if device_pages is None else pages_to_int32_bytes(device_pages, "device pages")
+    return [
+        REPAGED_TAG,
+        pages_to_int32_bytes(pages, "repaged pages"),
+        struct.pack("<Q", held),
+        device,
+    ]
 
 
 @dataclass(frozen=True)
@@ -84,6 +95,7 @@ class Repaged:
 
     pages: np.ndarray  # int32: the decode's pages of the sent tokens
     held: int  # tokens of the prefill's first sent page the decode already holds
+    device_pages: np.ndarray | None  # int32: HiSparse's device pages of the same tokens
 
 
 def repaged_request(frames: list[bytes]) -> Repaged | None:
@@ -91,15 +103,21 @@ def repaged_request(frames: list[bytes]) -> Repaged | None:
     position = tag_position(frames, SGLANG_METADATA_FRAMES, REPAGED_TAG)
     if position is None:
         return None
-    if position + 2 >= len(frames):
-        raise FrameError("repaged: the tag must be followed by its pages and held tokens")
+    if position + 3 >= len(frames):
+        raise FrameError("repaged: the tag must be followed by its pages, held tokens and device")
     held_frame = frames[position + 2]
     if len(held_frame) != 8:
         raise FrameError(f"repaged held tokens: {len(held_frame)} bytes, expected 8")
     (held,) = struct.unpack("<Q", held_frame)
     if held >= MAX_PAGE_SIZE:
         raise FrameError(f"repaged held tokens: {held}, not below {MAX_PAGE_SIZE}")
-    return Repaged(parse_pages(frames[position + 1], "repaged pages"), int(held))
+    pages = parse_pages(frames[position + 1], "repaged pages")
+    device_pages = None
+    if frames[position + 3]:
+        device_pages = parse_pages(frames[position + 3], "repaged device pages")
+        if len(device_pages) != len(pages):
+            raise FrameError(f"repaged: {len(device_pages)} device pages for {len(pages)} pages")
+    return Repaged(pages, int(held), device_pages)
 
 
 @dataclass(frozen=True)

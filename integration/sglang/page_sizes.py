@@ -114,11 +114,9 @@ class DecodePageSizes:
         """The page size of the prefill at `bootstrap_addr`, None where it is this decode's."""
         return self._prefills.get(bootstrap_addr)
 
-    def request_refusal(self, prefill_page_size: int, prefix: int, device_pages: Any) -> str | None:
+    def request_refusal(self, prefill_page_size: int, prefix: int) -> str | None:
         """Why a request to a prefill of `prefill_page_size` cannot be served, or None."""
         pair = f"prefill page size {prefill_page_size}, decode page size {self.page_size}"
-        if device_pages is not None:
-            return f"gpu_planner: {pair}: HiSparse's two page spaces are not served across them"
         if prefix % self.page_size:
             return (
                 f"gpu_planner: {pair}: the decode's cached prefix of {prefix} tokens is not a "
@@ -216,11 +214,10 @@ def why_unserved(manager: Any) -> str | None:
         return "decode context parallelism relays tokens by its own page layout"
     if getattr(manager, "enable_staging", False):
         return "sglang's own staging (SGLANG_DISAGG_STAGING_BUFFER) addresses pages itself"
-    ratios = getattr(kv_args, "mla_compression_ratios", None)  # a DeepSeek-V4 HiSparse pool
-    if ratios is not None or _setting("memory", "enable_hisparse"):
+    if getattr(kv_args, "mla_compression_ratios", None) is not None:
         return (
-            "HiSparse's host pages (in its own page size) and its two page spaces are not "
-            "served across page sizes"
+            "DeepSeek-V4's HiSparse host pages hold compressed rows in a page size of their "
+            "own, which the request's metadata does not carry"
         )
     if _setting("memory", "enable_unified_memory"):
         return "unified memory registers one envelope addressed by the decode's page size"
@@ -332,14 +329,15 @@ class RepagedMetadata:
 
     frames: list[bytes]
     pages: np.ndarray | None
+    device_pages: np.ndarray | None  # HiSparse's device pages, in the decode's page size
     page_size: int  # the decode's
     unit: int  # tokens per page of the prefill's sends: `gcd` of both page sizes
 
-    def unit_pages(self) -> np.ndarray:
-        """The request's pages as pages of `unit` tokens, as the prefill's sends take them."""
-        assert self.pages is not None
-        tokens, geometry = len(self.pages) * self.page_size, PageGeometry(self.page_size)
-        return unit_pages(self.pages, geometry, self.unit, tokens, REPAGED_PAGES)
+    def unit_pages(self, pages: np.ndarray) -> np.ndarray:
+        """`pages` (the request's, of either space) as pages of `unit` tokens, as the prefill's
+        sends take them."""
+        tokens, geometry = len(pages) * self.page_size, PageGeometry(self.page_size)
+        return unit_pages(pages, geometry, self.unit, tokens, REPAGED_PAGES)
 
 
 def metadata_frames(original: Any, manager: Any, kwargs: dict) -> RepagedMetadata | None:
@@ -362,18 +360,21 @@ def metadata_frames(original: Any, manager: Any, kwargs: dict) -> RepagedMetadat
     unit = math.gcd(prefill_page_size, decode.page_size)
     try:
         pages = np.asarray(kwargs["kv_indices"])
-        refusal = decode.request_refusal(prefill_page_size, prefix, kwargs["device_kv_indices"])
+        device_pages = kwargs.get("device_kv_indices")
+        device_pages = None if device_pages is None else np.asarray(device_pages)
+        refusal = decode.request_refusal(prefill_page_size, prefix)
         if refusal is None:
-            added = repaged_frames(pages, held)
+            added = repaged_frames(pages, held, device_pages)
             decode.sent(int(room), prefill_page_size, len(pages))
-            return RepagedMetadata([*frames, *added], pages, decode.page_size, unit)
+            metadata = [*frames, *added]
+            return RepagedMetadata(metadata, pages, device_pages, decode.page_size, unit)
     except Exception as error:  # unserved: no KV goes, the request fails
         refusal = f"gpu_planner: a request to a prefill of another page size ({error})"
     from sglang.srt.disaggregation.base.conn import KVPoll
 
     manager.record_failure(room, refusal)
     manager.update_status(room, KVPoll.Failed)
-    return RepagedMetadata(frames, None, decode.page_size, unit)
+    return RepagedMetadata(frames, None, None, decode.page_size, unit)
 
 
 def declared_toward(manager: Any, msg: list[bytes], room: int, prefill_rank: int) -> None:
@@ -398,23 +399,26 @@ class RepagedRoute:
     session: str
     decode_page_size: int
     decode_pages: np.ndarray  # int64: the decode's pages of the sent tokens
+    decode_device_pages: np.ndarray | None  # int64: HiSparse's device pages of the same tokens
     prefix: int  # the prefix sglang's prefill skips: its first sent page starts there
     held: int  # tokens of that page the decode holds: sent token 0 is token `prefix + held`
     ranges: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # planned, in order
-    _unit_pages: dict[int, np.ndarray] = dataclasses.field(default_factory=dict)
+    _unit_pages: dict[tuple[int, bool], np.ndarray] = dataclasses.field(default_factory=dict)
 
-    def decode_unit_pages(self, unit: int) -> np.ndarray:
-        """The decode's pages of every sent token as pages of `unit` tokens, made once per unit:
-        each chunk's are a view of them, by which a part of the decode's receive staging lent
-        to the request (in these pages) is found."""
-        pages = self._unit_pages.get(unit)
+    def decode_unit_pages(self, unit: int, device: bool = False) -> np.ndarray:
+        """The decode's pages (`device`: HiSparse's device pages) of every sent token as pages
+        of `unit` tokens, made once per unit: each chunk's are a view of them, by which a part
+        of the decode's receive staging lent to the request (in these pages) is found."""
+        pages = self._unit_pages.get((unit, device))
         if pages is None:
-            tokens = len(self.decode_pages) * self.decode_page_size
+            decode_pages = self.decode_device_pages if device else self.decode_pages
+            assert decode_pages is not None
+            tokens = len(decode_pages) * self.decode_page_size
             geometry = PageGeometry(self.decode_page_size)
-            pages = unit_pages(self.decode_pages, geometry, unit, tokens, REPAGED_PAGES)
+            pages = unit_pages(decode_pages, geometry, unit, tokens, REPAGED_PAGES)
             if pages.base is not None:
                 pages = pages.copy()  # an array of its own, which a lent part is keyed by
-            pages = self._unit_pages.setdefault(unit, pages)
+            pages = self._unit_pages.setdefault((unit, device), pages)
         return pages
 
 
@@ -469,12 +473,17 @@ class PrefillPageSizes:
             raise ValueError(f"a request for another page size is not served here: {why}")
         tokens = request.held + len(request.pages) * decode_page_size
         virtual = virtual_pages(-(-tokens // (self._smallest_page_size or 1)))
+        device_pages = request.device_pages
         route = RepagedRoute(
             info.room, info.mooncake_session_id, decode_page_size,
-            request.pages.astype(np.int64), int(info.decode_prefix_len or 0), request.held,
+            request.pages.astype(np.int64),
+            None if device_pages is None else device_pages.astype(np.int64),
+            int(info.decode_prefix_len or 0), request.held,
         )  # fmt: skip
         self._routes.add(virtual, route)
         info.dst_kv_indices = virtual
+        if device_pages is not None:  # sglang's worker slices both alike: the sends map both
+            info.dst_device_kv_indices = virtual
         return route
 
     def chunk_for(self, dst_pages: Any) -> tuple[RepagedRoute, int] | None:
@@ -535,6 +544,7 @@ class UnitSend:
 
     src_pages: np.ndarray  # int64 unit pages of the prefill's chunk
     dst_pages: np.ndarray  # int64 unit pages of the decode's
+    dst_device_pages: np.ndarray | None  # int64 unit pages of HiSparse's device space
     unit: int
     first: int  # the chunk's sent tokens: [first, end)
     end: int
@@ -571,10 +581,12 @@ def unit_send(
     src = PageGeometry(page_size, start - chunk_start)
     dst = PageGeometry(decode_page_size, first % decode_page_size)
     unit = common_unit(src, dst)
-    decode_units = route.decode_unit_pages(unit)  # `unit` divides `first` (and `held`)
+    sent = slice(first // unit, first // unit + unit_count(end - first, unit))  # unit | first
+    device = route.decode_device_pages is not None
     return UnitSend(
         unit_pages(src_pages, src, unit, end - first, "prefill_data_indices"),
-        decode_units[first // unit : first // unit + unit_count(end - first, unit)],
+        route.decode_unit_pages(unit)[sent],
+        route.decode_unit_pages(unit, device=True)[sent] if device else None,
         unit,
         first,
         end,

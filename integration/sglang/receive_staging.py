@@ -675,7 +675,9 @@ def metadata_message_hook(original: Any, manager: Any, *args: Any, **kwargs: Any
             if not region.scatter_compiled(repaged.unit):
                 record_receive_fallback(SCATTER_COMPILING)
                 return frames
-            pages, device_pages, page_tokens = repaged.unit_pages(), None, repaged.unit
+            pages, device_pages = repaged.unit_pages(repaged.pages), repaged.device_pages
+            device_pages = None if device_pages is None else repaged.unit_pages(device_pages)
+            page_tokens = repaged.unit
         lent = region.reserve(
             manager.request_status, int(kwargs["bootstrap_room"]), pages, device_pages, page_tokens
         )

@@ -135,8 +135,11 @@ def _repaged_call(
         )
     except gp.PlanValidationError as error:
         raise Fallback(f"a send to another page size cannot be planned ({error})") from None
+    if (call.dst_device_data_indices is None) != (chunk.dst_device_pages is None):
+        raise Fallback("HiSparse's device pages on one side of a send to another page size")
     repaged = copy.copy(call)
     repaged.prefill_data_indices, repaged.dst_data_indices = chunk.src_pages, chunk.dst_pages
+    repaged.dst_device_data_indices = chunk.dst_device_pages
     repaged.item_lens, repaged.dst_item_lens = item_lens, dst_item_lens
     return route, chunk, repaged
 

@@ -69,6 +69,7 @@ class Pair:
         mla=False,
         token_bytes: tuple[list[int], list[int]] = (TOKEN_BYTES, TOKEN_BYTES),
         place=None,
+        device_buffers: int = 0,
     ):
         prefill_engine, decode_engine = engines
         self.prefill_page_size, self.decode_page_size = prefill_page_size, decode_page_size
@@ -95,7 +96,9 @@ class Pair:
             self.destination.lens,
             self.destination.item_lens,
             decode_page_size,
+            num_draft_entries=device_buffers,  # HiSparse: the last ones take device pages
         )
+        self.device_ptrs = set(self.destination.ptrs[len(self.destination.ptrs) - device_buffers :])
         self.prefill = make_prefill_manager(
             prefill_engine, mla=mla, kv_data_ptrs=self.source.ptrs, kv_data_lens=self.source.lens
         )
@@ -129,14 +132,18 @@ class Pair:
         sent = receive_staging.registration_message_hook(lambda _: frames, self.decode)
         self.prefill.decode_kv_args_table[self.session] = conn.KVArgsRegisterInfo.from_zmq(sent)
 
-    def metadata(self, room: int, decode_pages: np.ndarray, prefix: int = 0) -> list[bytes]:
+    def metadata(
+        self, room: int, decode_pages: np.ndarray, prefix: int = 0, device_pages=None
+    ) -> list[bytes]:
         """The decode's metadata for `room`, built inside sglang's `send_metadata` (hooked)."""
         self.decode.request_status[room] = KV_POLL_TRANSFERRING
         self.decode.prefill_response_tracker[room] = set()
         self.decode.required_prefill_response_num_table[room] = 1
 
         def send_metadata(receiver) -> list[bytes]:
-            return hooked_metadata(self.decode, room, self.session, decode_pages, prefix=prefix)
+            return hooked_metadata(
+                self.decode, room, self.session, decode_pages, device_pages, prefix=prefix
+            )
 
         receiver = types.SimpleNamespace(bootstrap_addr=BOOTSTRAP)
         return page_sizes.send_metadata_hook(send_metadata, receiver)
@@ -164,6 +171,7 @@ class Pair:
         chunk's prefill pages (`req.dst_kv_indices[kv_chunk.index_slice]`), truncated as it
         truncates; no call where the chunk's destination is empty."""
         statuses = []
+        device = info.dst_device_kv_indices
         for first, end in zip(cuts[:-1], cuts[1:], strict=True):
             dst = info.dst_kv_indices[first:end]
             src = src_pages[first:end][: len(dst)]
@@ -179,6 +187,8 @@ class Pair:
                     prefill_data_indices=src,
                     dst_data_indices=dst,
                     executor=executor,
+                    dst_device_data_indices=None if device is None else device[first:end],
+                    dst_device_data_ptrs=self.device_ptrs or None,
                 )
             )
         return statuses
@@ -189,12 +199,18 @@ class Pair:
         return min(prefill_tokens, len(dst_pages) * self.decode_page_size)
 
     def expected_pool(
-        self, src_pages: np.ndarray, dst_pages: np.ndarray, heads=None, expected=None, held=0
+        self,
+        src_pages: np.ndarray,
+        dst_pages: np.ndarray,
+        heads=None,
+        expected=None,
+        held=0,
+        device_pages=None,
     ) -> np.ndarray:
         """The decode's pool after every sent token's bytes landed in its slot: the tokens of
         the prefill's pages past the first `held`, up to the decode's last page (a token walk);
         `heads` (source offset, destination offset, bytes) of each token's head slice, else
-        whole tokens."""
+        whole tokens; HiSparse's device-backed buffers at `device_pages`."""
         if expected is None:
             expected = np.zeros_like(self.destination.tensor.numpy())
         source = self.source.tensor.numpy()
@@ -202,9 +218,11 @@ class Pair:
         prefill_tokens = held + tokens
         src_slots = src_pages[prefill_tokens // self.prefill_page_size] * self.prefill_page_size
         src_slots += prefill_tokens % self.prefill_page_size
-        dst_slots = dst_pages[tokens // self.decode_page_size] * self.decode_page_size
-        dst_slots += tokens % self.decode_page_size
         for buffer, (src_width, dst_width) in enumerate(zip(*self.token_bytes, strict=True)):
+            on_device = self.destination.ptrs[buffer] in self.device_ptrs
+            pages = device_pages if on_device else dst_pages
+            dst_slots = pages[tokens // self.decode_page_size] * self.decode_page_size
+            dst_slots += tokens % self.decode_page_size
             src_offset, dst_offset, width = heads or (0, 0, src_width)
             src_base = self.source.offsets[buffer] + src_offset
             dst_base = self.destination.offsets[buffer] + dst_offset
@@ -259,11 +277,25 @@ def pairs(engines, monkeypatch):
     made: list[Pair] = []
 
     def make(
-        prefill_page_size: int, decode_page_size: int, mla=False, token_bytes=None, place=None
+        prefill_page_size: int,
+        decode_page_size: int,
+        mla=False,
+        token_bytes=None,
+        place=None,
+        device_buffers=0,
     ) -> Pair:
         widths = token_bytes or (TOKEN_BYTES, TOKEN_BYTES)
         made.append(
-            Pair(engines, monkeypatch, prefill_page_size, decode_page_size, mla, widths, place)
+            Pair(
+                engines,
+                monkeypatch,
+                prefill_page_size,
+                decode_page_size,
+                mla,
+                widths,
+                place,
+                device_buffers,
+            )  # fmt: skip
         )
         return made[-1]
 
@@ -464,6 +496,37 @@ def test_a_gpu_decode_lends_unit_pages_once_their_scatter_compiled_off_the_reque
     assert counters.snapshot()[key][reason] - before[key].get(reason, 0) == 2
 
 
+@pytest.mark.parametrize(("prefill_page_size", "decode_page_size"), [(64, 16), (16, 64), (16, 1)])
+@pytest.mark.parametrize("staged", [False, True], ids=["direct", "staged"])
+def test_hisparse_two_page_spaces_land_every_sent_token_in_its_own_space(
+    request, prefill_page_size, decode_page_size, staged
+):
+    """HiSparse with a draft pool: the decode's last two buffers take the device pages, the
+    others the host pages, both in the decode's page size. Each space's pages go in `Repaged`
+    and are taken as pages of the unit; every sent token lands in its space's slot, directly
+    or staged (the part lent in unit pages of both spaces, scattered by them)."""
+    pair = request.getfixturevalue("staged_pairs" if staged else "pairs")(
+        prefill_page_size, decode_page_size, device_buffers=2
+    )
+    pair.keep_notes(pair.prefill)
+    rng = np.random.default_rng(prefill_page_size + decode_page_size + staged)
+    num_tokens = 500
+    src_pages = shuffled_pages(rng, -(-num_tokens // prefill_page_size), prefill_page_size)
+    host_pages = shuffled_pages(rng, -(-num_tokens // decode_page_size), decode_page_size)
+    device_pages = shuffled_pages(rng, len(host_pages), decode_page_size)
+    info = pair.parse(23, pair.metadata(23, host_pages, device_pages=device_pages))
+    assert info.dst_device_kv_indices is info.dst_kv_indices  # sglang slices both alike
+    cuts = [0, len(src_pages) // 3, len(src_pages)]
+    before = counters.snapshot()["sends"].get("staged/arrays", 0)
+    assert pair.send_chunks(info, src_pages.astype(np.int64), cuts, STAGING_EXECUTOR) == [0, 0]
+    staged_sends = counters.snapshot()["sends"].get("staged/arrays", 0) - before
+    assert pair.deliver_notes() == staged_sends == (2 if staged else 0)
+    deliver_status(pair.prefill, pair.decode, 23, KV_POLL_SUCCESS)
+    assert pair.decode.request_status[23] == KV_POLL_SUCCESS, pair.decode.failure_records
+    expected = pair.expected_pool(src_pages, host_pages, device_pages=device_pages)
+    np.testing.assert_array_equal(pair.destination.tensor.numpy(), expected)
+
+
 def test_a_prefix_not_of_whole_decode_pages_fails_the_request_before_any_byte(pairs):
     pair = pairs(64, 16)
     frames = pair.metadata(13, np.arange(4, dtype=np.int32), prefix=40)
@@ -501,12 +564,22 @@ def test_a_chunk_left_unsent_fails_the_request(pairs):
     assert "up to 80, then from 128" in pair.decode.failure_records[15]
 
 
-def test_a_decode_it_cannot_serve_keeps_sglangs_refusal_and_says_why(monkeypatch, pairs):
-    """State laid out per page: sglang's own error, naming both page sizes, and why."""
+@pytest.mark.parametrize(
+    ("field", "value", "reason"),
+    [
+        ("state_types", [conn.StateType.SWA], "swa is laid out per page"),
+        ("mla_compression_ratios", [4, 128, 4, 128], "DeepSeek-V4's HiSparse host pages"),
+    ],
+)
+def test_a_decode_it_cannot_serve_keeps_sglangs_refusal_and_says_why(
+    monkeypatch, pairs, field, value, reason
+):
+    """State laid out per page, DeepSeek-V4's compressed HiSparse pages: sglang's own error,
+    naming both page sizes, and why."""
     pair = pairs(64, 16)
-    pair.decode.kv_args.state_types = [conn.StateType.SWA]
+    setattr(pair.decode.kv_args, field, value)
     page_sizes.DECODES.release(pair.decode)
-    with pytest.raises(RuntimeError, match="page_size=64.*page_size=16.*swa is laid out per page"):
+    with pytest.raises(RuntimeError, match=f"page_size=64.*page_size=16.*{reason}"):
         pair.connect(monkeypatch)
     assert BOOTSTRAP not in pair.decode.prefill_info_table
 
@@ -676,7 +749,6 @@ def test_head_slices_between_attention_tp_sizes_land_every_sent_token(
     [
         ("disagg", "disaggregation_enable_kv_checksum", "KV checksum digests whole pages"),
         ("memory", "enable_unified_memory", "unified memory registers one envelope"),
-        ("memory", "enable_hisparse", "HiSparse's host pages \\(in its own page size\\)"),
     ],
 )
 def test_a_setting_that_addresses_pages_keeps_sglangs_refusal(

@@ -85,9 +85,13 @@ def repaged_requests(draw):
 
 
 def route_for(
-    decode_pages: np.ndarray, decode_page_size: int, prefix: int = 0, held: int = 0
+    decode_pages: np.ndarray,
+    decode_page_size: int,
+    prefix: int = 0,
+    held: int = 0,
+    device_pages: np.ndarray | None = None,
 ) -> RepagedRoute:
-    return RepagedRoute(1, "decode", decode_page_size, decode_pages, prefix, held)
+    return RepagedRoute(1, "decode", decode_page_size, decode_pages, device_pages, prefix, held)
 
 
 @given(request=repaged_requests(), max_batch_pages=st.sampled_from([0, 1, 3]))
@@ -102,7 +106,8 @@ def test_chunks_move_every_sent_token_to_its_decode_slot_in_joint_runs(request, 
     first token the decode does not hold up to the prefill's or the decode's last page, with one
     descriptor per joint run per buffer (per batch)."""
     prefill_page_size, decode_page_size, held, src_pages, dst_pages, cuts = request
-    route = route_for(dst_pages, decode_page_size, held=held)
+    device_pages = dst_pages[::-1].copy()  # HiSparse's other space: other pages, same tokens
+    route = route_for(dst_pages, decode_page_size, held=held, device_pages=device_pages)
     token_bytes = 8
     moved: list[tuple[int, int]] = []
     descriptors = runs = 0
@@ -122,6 +127,9 @@ def test_chunks_move_every_sent_token_to_its_decode_slot_in_joint_runs(request, 
         src_tokens = held + tokens - first * prefill_page_size
         src = token_slots(src_pages[first:end], prefill_page_size, src_tokens)
         dst = token_slots(dst_pages, decode_page_size, tokens)
+        device_slots = token_slots(device_pages, decode_page_size, tokens)
+        assert (token_slots(chunk.dst_device_pages, chunk.unit, tokens - chunk.first)
+                == device_slots).all()  # fmt: skip
         breaks = (np.diff(src) != 1) | (np.diff(dst) != 1)
         if max_batch_pages:
             unit_index = (tokens - chunk.first) // chunk.unit
@@ -164,7 +172,9 @@ def test_the_frames_parse_back():
     metadata = [b"frame"] * 10 + repaged_frames(np.array([3, 1, 2]), 48)
     repaged = repaged_request(metadata)
     np.testing.assert_array_equal(repaged.pages, [3, 1, 2])
-    assert repaged.held == 48
+    assert repaged.held == 48 and repaged.device_pages is None
+    metadata = [b"frame"] * 10 + repaged_frames(np.array([3, 1]), 0, np.array([7, 8]))
+    np.testing.assert_array_equal(repaged_request(metadata).device_pages, [7, 8])
     assert repaged_request([b"frame"] * 10) is None
     plans = {"a:1": Planned(16, ((0, 64), (64, 100))), "b:2": Planned(1, ())}
     status = [b"7", b"4", b"0", b""] + planned_frames(plans)
@@ -190,11 +200,14 @@ def test_a_malformed_page_size_is_refused_naming_it(frames, message):
 
 def test_malformed_pages_and_declarations_are_refused_naming_them():
     pages = np.array([1, -3], np.int32).tobytes()
+    two = np.array([1, 2], np.int32).tobytes()
     for frames, message in [
-        ([REPAGED_TAG, pages, b"\x00" * 8], "repaged pages\\[1\\] = -3"),
-        ([REPAGED_TAG, pages], "followed by its pages and held tokens"),
-        ([REPAGED_TAG, b"", b"\x00" * 4], "4 bytes, expected 8"),
-        ([REPAGED_TAG, b"", b"\xff" * 8], "not below"),
+        ([REPAGED_TAG, pages, b"\x00" * 8, b""], "repaged pages\\[1\\] = -3"),
+        ([REPAGED_TAG, pages, b"\x00" * 8], "followed by its pages, held tokens and device"),
+        ([REPAGED_TAG, b"", b"\x00" * 4, b""], "4 bytes, expected 8"),
+        ([REPAGED_TAG, b"", b"\xff" * 8, b""], "not below"),
+        ([REPAGED_TAG, two, b"\x00" * 8, two[:4]], "1 device pages for 2 pages"),
+        ([REPAGED_TAG, two, b"\x00" * 8, pages], "device pages\\[1\\] = -3"),
     ]:
         with pytest.raises(FrameError, match=message):
             repaged_request([b"f"] * 10 + frames)
