@@ -9,22 +9,32 @@ scatters from a device region. `repaged`: the TP-up head-sliced sends of
 `test_page_sizes_mooncake` (prefill TP 1 -> decode TP 2, rank 1) toward a
 decode of another page size, gathered into device slots at pages of
 gcd(page sizes) tokens; the decode registers after the prefill's manager is
-built, as it does with sglang.
+built, as it does with sglang. `staged-repaged`: generic sends of
+`test_page_sizes_mooncake` toward a decode of another page size that lends
+receive staging in pages of gcd(page sizes) tokens (the CUDA stand-in on both
+sides): a first request, then a second once the decode's scatter of those
+pages compiled on its own thread; each compile is recorded with its thread.
 The interpreter is off: Triton's JIT compiles each gather and scatter for the
-sm_90 of `aot_compile` (which loads and launches nothing, so the bytes are not
-checked here; the interpreted tests check them) and each compile is counted.
+sm_90 of `aot_compile` (which loads and launches nothing) and each compile is
+counted; each launch's copy is then made by the CPU loops (`host_copy`), the
+stand-in's device memory being host memory, so the bytes land.
 `plugin.warm_up_gpu` runs for each manager first, as sglang's AFTER hook on
 its `__init__` runs it. Prints one JSON line: the kernels warm-up (and the
 decode's registration) compiled, the gathers and scatters the sends launched
-(and the gathers' page sizes), and what they compiled.
+(and their page sizes), and what they compiled.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
+import threading
+import time
 from pathlib import Path
+
+import numpy as np
 
 TESTS = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(TESTS.parent), str(TESTS), str(TESTS / "integration" / "sglang")]
@@ -37,6 +47,13 @@ SCENARIOS = (([256] * 16, 0, 1), ([256] * 16, 0, 3), ([192] * 6 + [64] * 2, 2, 2
 REPAGED_PAIRS = ((64, 16), (16, 1))
 KV_HEADS, HEAD_BYTES, LAYERS = 2, 8, 2  # the prefill's; each decode rank holds one head
 ROOM, TOKENS = 19, 300
+# (prefill page size, decode page size) of the staged repaged sends: units of 16 tokens, the
+# decode's scatter of them compiled on its thread (16 -> 64) or the prefill's gather of them at
+# the decode's registration (64 -> 16).
+STAGED_REPAGED_PAIRS = ((16, 64), (64, 16))
+FIRST_ROOM, SECOND_ROOM = 31, 32
+SCATTER_COMPILE_TIMEOUT_S = 300  # a compile shares the cores with whatever else runs
+compiled_on: list[tuple[str, str]] = []  # each compile's kernel and the thread that made it
 
 
 def main(mode: str = "staged") -> int:
@@ -44,7 +61,7 @@ def main(mode: str = "staged") -> int:
     from triton.runtime.jit import JITFunction
 
     driver.set_active(Sm90Driver())
-    JITFunction._do_compile = counting_compile(JITFunction._do_compile)
+    JITFunction._do_compile = thread_recorded(counting_compile(JITFunction._do_compile))
     os.environ.update(MOONCAKE_PROTOCOL="tcp", MC_FORCE_TCP="1")
     os.environ.update(
         GPU_PLANNER_STAGING_MIN_DESCRIPTORS="8",
@@ -67,20 +84,24 @@ def main(mode: str = "staged") -> int:
     settings.load()
     engines = MooncakeTransferEngine("127.0.0.1"), MooncakeTransferEngine("127.0.0.1")
     launched: dict[str, list[int]] = {"gather": [], "scatter": []}  # each launch's page size
-    for name, module, launcher in (
-        ("gather", head_gather, "launch_gather_head_slices"),
-        ("scatter", head_scatter, "launch_scatter_head_slices"),
+    for name, module, launcher, host_copy in (
+        ("gather", head_gather, "launch_gather_head_slices", gather_on_host),
+        ("scatter", head_scatter, "launch_scatter_head_slices", scatter_on_host),
     ):
-        setattr(module, launcher, recorded(launched[name], getattr(module, launcher)))
+        launch = getattr(module, launcher)
+        setattr(module, launcher, recorded(launched[name], launch, host_copy))
+    sends = {
+        "staged": staged_sends,
+        "repaged": repaged_sends,
+        "staged-repaged": staged_repaged_sends,
+    }
     with use_cuda_runtime(HostCudaRuntime()) as runtime:
-        sends = staged_sends if mode == "staged" else repaged_sends
-        print(json.dumps(sends(engines, runtime, launched)))
+        print(json.dumps(sends[mode](engines, runtime, launched)))
     return 0
 
 
 def staged_sends(engines, runtime, launched: dict[str, list[int]]) -> dict:
     """`SCENARIOS`' staged sends, each deployment's managers warmed up first."""
-    import numpy as np
     import test_receive_staging_mooncake as staging
     from sglang.srt.disaggregation.utils import DisaggregationMode
 
@@ -148,7 +169,6 @@ def repaged_send(
 ) -> dict:
     """A TP-up send in two chunks from a prefill manager warmed up when built, after the
     decode's registration: the compiles of each step, the gathers' page sizes, the statuses."""
-    import numpy as np
     import pytest
     import test_page_sizes_mooncake as page_size_tests
     from sglang.srt.disaggregation.utils import DisaggregationMode
@@ -220,14 +240,144 @@ def repaged_send(
     }
 
 
-def recorded(page_sizes: list[int], launch):
-    """`launch`, appending each call's page size (its last argument) to `page_sizes`."""
+def staged_repaged_sends(engines, runtime, launched: dict[str, list[int]]) -> dict:
+    """`STAGED_REPAGED_PAIRS`' requests, each pair's managers ended and Triton's kernels
+    dropped before the next pair's are built: as in a process of its own, a variant one pair
+    compiled hides none that the next pair's warm-up misses."""
+    import gc
 
-    def recording(*args, **kwargs):
+    from gpu_planner.kernels import head_gather, head_scatter
+
+    report: dict[str, list] = {}
+    for pair in STAGED_REPAGED_PAIRS:
+        for key, value in staged_repaged_send(engines, runtime, launched, *pair).items():
+            report.setdefault(key, []).append(value)
+        gc.collect()  # the pair's managers end: the next decode's registration skips them
+        for kernel in (
+            head_gather._gather_head_slices_kernel,
+            head_scatter._scatter_head_slices_kernel,
+        ):
+            kernel.device_caches.clear()
+    return report
+
+
+def staged_repaged_send(
+    engines, runtime, launched: dict[str, list[int]], prefill_page_size: int, decode_page_size: int
+) -> dict:
+    """Both managers warmed up as sglang builds them, then the decode's registration; a first
+    request (direct while the decode's unit scatter compiles on its thread), then a second once
+    that compile is done (lent, staged, scattered). The compiles of each step with their
+    threads, the second's launches' page sizes, and each request's lending, notes, statuses and
+    whether the decode's pool then holds its sent bytes."""
+    import pytest
+    import test_page_sizes_mooncake as page_size_tests
+    from sglang_plugin_support import deliver_status
+
+    from gpu_planner.integration.sglang import page_sizes, prefill_routes, receive_staging
+    from gpu_planner.integration.sglang.plugin import warm_up_gpu
+
+    monkeypatch = pytest.MonkeyPatch()
+    before = len(compiled_on)
+    after_warmup = []
+
+    def warmed_up(manager) -> None:
+        warm_up_gpu(None, manager)
+        after_warmup.append(len(compiled_on))
+
+    pair = page_size_tests.Pair(
+        engines, monkeypatch, prefill_page_size, decode_page_size, place=runtime.place,
+        built=warmed_up,
+    )  # fmt: skip
+    after_registration = len(compiled_on)
+    pair.keep_notes(pair.prefill)
+    region = receive_staging.REGIONS.existing(pair.decode)
+    rng = np.random.default_rng(prefill_page_size + decode_page_size)
+    src_pages = page_size_tests.shuffled_pages(
+        rng, -(-TOKENS // prefill_page_size), prefill_page_size
+    ).astype(np.int64)
+    dst_pages = page_size_tests.shuffled_pages(
+        rng, -(-TOKENS // decode_page_size), decode_page_size
+    )
+    expected = pair.expected_pool(src_pages, dst_pages)
+
+    def request(room: int) -> dict:
+        pair.destination.tensor.zero_()
+        info = pair.parse(room, pair.metadata(room, dst_pages))
+        lent = region.lent_rooms
+        cuts = [0, len(src_pages) // 2, len(src_pages)]
+        statuses = pair.send_chunks(info, src_pages, cuts, page_size_tests.STAGING_EXECUTOR)
+        notes = pair.deliver_notes()
+        deliver_status(pair.prefill, pair.decode, room, page_size_tests.KV_POLL_SUCCESS)
+        statuses.append(pair.decode.request_status[room])
+        landed = bool(np.array_equal(pair.destination.tensor.numpy(), expected))
+        return {"lent": lent, "staged_notes": notes, "statuses": statuses, "landed": landed}
+
+    first = request(FIRST_ROOM)
+    deadline = time.monotonic() + SCATTER_COMPILE_TIMEOUT_S
+    while not region.scatter_compiled(math.gcd(prefill_page_size, decode_page_size)):
+        assert time.monotonic() < deadline, "the decode's scatter compile did not end"
+        time.sleep(0.05)
+    scatter_compiled = len(compiled_on)
+    launches = {name: len(pages) for name, pages in launched.items()}
+    second = request(SECOND_ROOM)
+    pair.close()
+    page_sizes.PREFILL.forget()
+    prefill_routes.ROUTES.forget()
+    monkeypatch.undo()
+    return {
+        "warmup": after_warmup[-1] - before,
+        "registration": after_registration - after_warmup[-1],
+        "until_scatter_compiled": compiled_on[after_registration:scatter_compiled],
+        "first": first,
+        "second": second,
+        "second_page_sizes": {
+            name: sorted(set(pages[launches[name] :])) for name, pages in launched.items()
+        },
+        "new_in_second": compiled_on[scatter_compiled:],
+    }
+
+
+def thread_recorded(do_compile):
+    """`do_compile`, appending each compile's kernel and thread to `compiled_on`."""
+
+    def compile_recorded(self, *args, **kwargs):
+        kernel = do_compile(self, *args, **kwargs)
+        compiled_on.append((self._fn_name, threading.current_thread().name))
+        return kernel
+
+    return compile_recorded
+
+
+def recorded(page_sizes: list[int], launch, host_copy):
+    """`launch`, appending each call's page size (its last argument) to `page_sizes`, then
+    making its copy with `host_copy` (the stand-in's device memory is host memory)."""
+
+    def recording(*args):
         page_sizes.append(args[-1])
-        return launch(*args, **kwargs)
+        launch(*args)
+        host_copy(*args)
 
     return recording
+
+
+def gather_on_host(staging, src_pages, entries, page_size: int) -> None:
+    """`launch_gather_head_slices`' copy, by the CPU loop."""
+    from gpu_planner.host_copy import gather_loop
+
+    absolute = entries.copy()
+    absolute[:, 3] += staging.data_ptr()
+    gather_loop(absolute, src_pages.numpy().astype(np.int64), page_size)
+
+
+def scatter_on_host(staging, dst_pages, dst_device_pages, entries, page_size: int) -> None:
+    """`launch_scatter_head_slices`' copy, by the CPU loop."""
+    from gpu_planner.host_copy import scatter_loop
+
+    absolute = entries.copy()
+    absolute[:, 0] += staging.data_ptr()
+    device_pages = dst_pages if dst_device_pages is None else dst_device_pages
+    page_rows = np.stack([dst_pages.numpy(), device_pages.numpy()]).astype(np.int64)
+    scatter_loop(absolute, page_rows, page_size)
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ pytest.importorskip("sglang.srt.disaggregation.mooncake.conn")
 
 GATHER = "gpu_planner.kernels.head_gather._gather_head_slices_kernel"
 SCATTER = "gpu_planner.kernels.head_scatter._scatter_head_slices_kernel"
+SCATTER_THREAD = "gpu_planner-scatter-compile"  # `ReceiveRegion.scatter_compiled`'s
 SUCCESS = 4  # sglang's KVPoll.Success
 
 
@@ -37,3 +38,24 @@ def test_a_repaged_gathered_send_after_the_decodes_registration_compiles_nothing
     assert all(count > 0 for count in report["registration"]), report
     assert report["statuses"] == [[0, 0, SUCCESS]] * 2
     assert report["new_after_registration"] == [[], []]
+
+
+def test_a_staged_send_to_another_page_size_compiles_nothing_once_the_decodes_scatter_has():
+    """Pages 16 -> 64 and 64 -> 16, staged in the decode's receive staging in pages of their
+    gcd (16 tokens): the prefill's gathers of them compile at the decode's registration (for
+    64 -> 16; 16 is 16 -> 64's own page), the decode's scatter of them (for 16 -> 64; 16 is
+    64 -> 16's own page) on a thread of its own at the first request, which goes direct
+    meanwhile. Every later request is lent, staged and scattered, succeeds with every sent byte
+    in its slot, and no request compiles a kernel."""
+    report = script_report(Path(__file__).with_name("staged_send_compiles.py"), "staged-repaged")
+    assert report["registration"][0] == 0 and report["registration"][1] > 0, report
+    scatter_thread = report["until_scatter_compiled"][0]
+    assert scatter_thread and set(map(tuple, scatter_thread)) == {(SCATTER, SCATTER_THREAD)}
+    assert report["until_scatter_compiled"][1] == []  # its first request staged: none compiled
+    assert [request["lent"] for request in report["first"]] == [0, 1]
+    assert [request["lent"] for request in report["second"]] == [1, 1]
+    for request in report["first"] + report["second"]:
+        assert request["staged_notes"] == 2 * request["lent"], request
+        assert request["statuses"] == [0, 0, SUCCESS] and request["landed"], request
+    assert report["second_page_sizes"] == [{"gather": [1], "scatter": [16]}] * 2
+    assert report["new_in_second"] == [[], []]

@@ -70,7 +70,10 @@ class Pair:
         token_bytes: tuple[list[int], list[int]] = (TOKEN_BYTES, TOKEN_BYTES),
         place=None,
         device_buffers: int = 0,
+        built=None,
     ):
+        """`built`: called with the decode's manager, then the prefill's, before the decode
+        registers (as sglang's AFTER hooks on a manager's `__init__` run)."""
         prefill_engine, decode_engine = engines
         self.prefill_page_size, self.decode_page_size = prefill_page_size, decode_page_size
         self.token_bytes = token_bytes  # (prefill, decode) bytes per token of each buffer
@@ -108,6 +111,9 @@ class Pair:
         self.notes: list[list[bytes]] = []
         self.prefill.decode_kv_args_table = {}
         page_sizes.manager_built_hook(None, _as_prefill(self.prefill))
+        if built is not None:
+            built(self.decode)
+            built(self.prefill)
         decode = self.decode  # what sglang's fetch of the prefill's info reads
         decode.prefill_info_table, decode.kv_cache_dtype_str = {}, "auto"
         decode.kv_args.state_types = []
