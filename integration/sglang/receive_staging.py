@@ -195,32 +195,34 @@ class ReceiveRegion(RegisteredRegion):
         self._lent: dict[int, Lending] = {}  # room: the lending of its live request
         self._lendings: dict[int, Lending] = {}  # reservation id: every lending not yet freed
         self._declared: tuple[int, int, dict[int, int] | str | None] | None = None
-        self._unit_scatters: dict[int, bool] = {}  # lent page tokens: whether compiled
+        # Lent page tokens: why their scatter is not ready (None: compiled).
+        self._unit_scatters: dict[int, str | None] = {}
         self._lock = threading.Lock()
 
-    def scatter_compiled(self, page_tokens: int) -> bool:
-        """Whether scatters of lent pages of `page_tokens` tokens compile nothing in a request.
+    def scatter_unready(self, page_tokens: int) -> str | None:
+        """Why scatters of lent pages of `page_tokens` tokens would compile in a request, or
+        None where they compile nothing.
 
         The KV page's compile with the manager (`staging_warmup`); the first ask
         for another (a prefill of another page size) starts their compile on a
         thread of its own, and until it is done such requests are lent nothing:
-        none compiles, none waits.
+        none compiles, none waits. A compile that failed lends them nothing.
         """
         if self.torch_device.type != "cuda" or page_tokens == int(self._kv.page_size):
-            return True
+            return None
         with self._lock:
-            compiled = self._unit_scatters.get(page_tokens)
-            if compiled is None:
-                self._unit_scatters[page_tokens] = False
+            if page_tokens not in self._unit_scatters:
+                self._unit_scatters[page_tokens] = SCATTER_COMPILING
                 threading.Thread(
                     target=self._compile_scatters,
                     args=(page_tokens,),
                     name="gpu_planner-scatter-compile",
                     daemon=True,
                 ).start()
-        return bool(compiled)
+            return self._unit_scatters[page_tokens]
 
     def _compile_scatters(self, page_tokens: int) -> None:
+        outcome: str | None = SCATTER_FAILED
         with best_effort(
             "the scatters for another page size did not compile: its requests go direct",
             "scatter compile",
@@ -230,8 +232,9 @@ class ReceiveRegion(RegisteredRegion):
             kv_heads = int(getattr(self._kv, "kv_head_num", 1) or 1)
             copies = decode_copies(self._kv.kv_data_ptrs, lens, page_tokens, kv_heads)
             warm_up_slice_copies(self.torch_device, copies)
-            with self._lock:
-                self._unit_scatters[page_tokens] = True
+            outcome = None
+        with self._lock:
+            self._unit_scatters[page_tokens] = outcome
 
     # Scheduler thread: lending.
 
@@ -629,6 +632,7 @@ def decode_hooks_registered(registered: bool) -> None:
 
 NOT_ALL_HOOKS = "the decode's receive-staging hooks are not all registered"
 SCATTER_COMPILING = "the scatter for the prefill's page size is compiling"
+SCATTER_FAILED = "the scatter for the prefill's page size did not compile"
 
 
 # The decode's hooks. Each returns what sglang's own code returns (plus the
@@ -672,8 +676,9 @@ def metadata_message_hook(original: Any, manager: Any, *args: Any, **kwargs: Any
         if repaged is not None:
             if repaged.pages is None:
                 return frames  # the request failed here: nothing goes
-            if not region.scatter_compiled(repaged.unit):
-                record_receive_fallback(SCATTER_COMPILING)
+            unready = region.scatter_unready(repaged.unit)
+            if unready is not None:
+                record_receive_fallback(unready)
                 return frames
             pages, device_pages = repaged.unit_pages(repaged.pages), repaged.device_pages
             device_pages = None if device_pages is None else repaged.unit_pages(device_pages)

@@ -314,7 +314,7 @@ def staged_repaged_send(
 
     first = request(FIRST_ROOM)
     deadline = time.monotonic() + SCATTER_COMPILE_TIMEOUT_S
-    while not region.scatter_compiled(math.gcd(prefill_page_size, decode_page_size)):
+    while region.scatter_unready(math.gcd(prefill_page_size, decode_page_size)):
         assert time.monotonic() < deadline, "the decode's scatter compile did not end"
         time.sleep(0.05)
     scatter_compiled = len(compiled_on)

@@ -15,7 +15,7 @@ pytest.importorskip("sglang.srt.disaggregation.mooncake.conn")
 
 GATHER = "gpu_planner.kernels.head_gather._gather_head_slices_kernel"
 SCATTER = "gpu_planner.kernels.head_scatter._scatter_head_slices_kernel"
-SCATTER_THREAD = "gpu_planner-scatter-compile"  # `ReceiveRegion.scatter_compiled`'s
+SCATTER_THREAD = "gpu_planner-scatter-compile"  # `ReceiveRegion.scatter_unready`'s
 SUCCESS = 4  # sglang's KVPoll.Success
 
 

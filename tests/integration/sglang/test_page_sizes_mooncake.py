@@ -483,7 +483,7 @@ def test_a_gpu_decode_lends_unit_pages_once_their_scatter_compiled_off_the_reque
         assert pair.decode.request_status[room] == KV_POLL_SUCCESS
     compiling.set()
     deadline = time.monotonic() + 120
-    while not region.scatter_compiled(16):
+    while region.scatter_unready(16):
         assert time.monotonic() < deadline, "the scatter's compile did not end"
         time.sleep(0.05)
     assert compiles == [[16]]  # once, for pages of gcd(16, 64) tokens
@@ -531,6 +531,38 @@ def test_hisparse_two_page_spaces_land_every_sent_token_in_its_own_space(
     assert pair.decode.request_status[23] == KV_POLL_SUCCESS, pair.decode.failure_records
     expected = pair.expected_pool(src_pages, host_pages, device_pages=device_pages)
     np.testing.assert_array_equal(pair.destination.tensor.numpy(), expected)
+
+
+def test_a_unit_scatter_that_did_not_compile_lends_nothing_and_says_so(
+    staged_pairs, host_cuda, monkeypatch
+):
+    """A failed compile is logged and counted once; its unit's requests go direct, each
+    counted under that reason (not as compiling), and are served."""
+
+    def failing_warm_up(torch_device, copies):
+        raise RuntimeError("no kernel today")
+
+    monkeypatch.setattr(receive_staging, "warm_up_slice_copies", failing_warm_up)
+    pair = staged_pairs(16, 64, place=host_cuda.place)
+    region = receive_staging.REGIONS.existing(pair.decode)
+    assert region.scatter_unready(16) == receive_staging.SCATTER_COMPILING  # starts it
+    deadline = time.monotonic() + 60
+    while region.scatter_unready(16) == receive_staging.SCATTER_COMPILING:
+        assert time.monotonic() < deadline, "the failing compile did not end"
+        time.sleep(0.01)
+    assert region.scatter_unready(16) == receive_staging.SCATTER_FAILED
+    rng = np.random.default_rng(4)
+    src_pages, dst_pages = shuffled_pages(rng, 16, 16), shuffled_pages(rng, 4, 64)
+    key, reason = "receive_staging_fallbacks", receive_staging.SCATTER_FAILED
+    before = counters.snapshot()[key].get(reason, 0)
+    info = pair.parse(34, pair.metadata(34, dst_pages))
+    assert region.lent_rooms == 0 and counters.snapshot()[key][reason] == before + 1
+    assert pair.send_chunks(info, src_pages.astype(np.int64), [0, 16]) == [0]
+    deliver_status(pair.prefill, pair.decode, 34, KV_POLL_SUCCESS)
+    assert pair.decode.request_status[34] == KV_POLL_SUCCESS, pair.decode.failure_records
+    np.testing.assert_array_equal(
+        pair.destination.tensor.numpy(), pair.expected_pool(src_pages, dst_pages)
+    )
 
 
 def test_a_prefix_not_of_whole_decode_pages_fails_the_request_before_any_byte(pairs):
