@@ -153,7 +153,8 @@ class DecodePageSizes:
             if declared.ranges:
                 repaged.covered_by.add(prefill_rank)
             repaged.reported.add(prefill_rank)
-            if len(repaged.reported) >= max(expected_ranks, 1) and not repaged.covered_by:
+            all_reported = len(repaged.reported) >= max(expected_ranks, 1)
+            if all_reported and repaged.num_pages and not repaged.covered_by:
                 return "gpu_planner: every prefill rank declared that it sent this request no KV"
         return None
 
@@ -548,6 +549,15 @@ class UnitSend:
     unit: int
     first: int  # the chunk's sent tokens: [first, end)
     end: int
+
+
+def sends_no_token(route: RepagedRoute, position: int, num_pages: int, page_size: int) -> bool:
+    """Whether the chunk of `num_pages` prefill pages at prefill page `position` of `route`'s
+    request holds no token the decode lacks: all of them are in the prefix it holds (sglang's
+    prefill starts at the page holding its end), or the decode takes no page at all (its
+    prefix covers the prompt). Such a chunk moves nothing, as sglang's own send of no page."""
+    chunk_end = (position + num_pages) * page_size
+    return chunk_end <= route.held or not len(route.decode_pages)
 
 
 def unit_send(

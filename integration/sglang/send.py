@@ -33,6 +33,7 @@ from gpu_planner.integration.sglang.page_sizes import (
     PREFILL,
     RepagedRoute,
     UnitSend,
+    sends_no_token,
     unit_len,
     unit_send,
 )
@@ -51,6 +52,9 @@ def send_kvcache_generic_hook(manager: conn.MooncakeKVManager, *args, **kwargs) 
     repaged = PREFILL.chunk_for(call.dst_data_indices)
     if repaged is not None:
         current_send().refuse_fallback("its destination pages are in another page size")
+        page_size = int(manager.kv_args.page_size)
+        if sends_no_token(*repaged, len(call.prefill_data_indices), page_size):
+            return 0  # the decode holds every token of it: nothing moves
         route, chunk, call = _repaged_call(manager, call, *repaged)
     _check_supported(call)
     entries = transfer_entries(manager, call)

@@ -47,6 +47,7 @@ from gpu_planner.integration.sglang.page_sizes import (
     PREFILL,
     RepagedRoute,
     UnitSend,
+    sends_no_token,
     unit_len,
     unit_send,
 )
@@ -113,6 +114,8 @@ def send_kvcache_slice_hook(manager: conn.MooncakeKVManager, *args, **kwargs) ->
     repaged = PREFILL.chunk_for(call.dst_kv_indices)
     if repaged is not None:
         current_send().refuse_fallback("its destination pages are in another page size")
+        if sends_no_token(*repaged, len(call.prefill_kv_indices), geometry.page_size):
+            return 0  # the decode holds every token of it: nothing moves
         route, chunk, geometry, pages = _repaged_slice(manager, call, geometry, *repaged)
     total_kv_heads = getattr(kv_args, "total_kv_head_num", 0)
     if total_kv_heads <= 0:

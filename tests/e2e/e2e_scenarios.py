@@ -37,15 +37,20 @@ MOONCAKE_0_3_13 = Path(sys.prefix) / "mooncake-0.3.13"
 
 
 def decode_spec(
-    name: str, model: Path, page_size: int, batch_pages: int, python_path: tuple[str, ...] = ()
+    name: str,
+    model: Path,
+    page_size: int,
+    batch_pages: int,
+    python_path: tuple[str, ...] = (),
+    extra: tuple[str, ...] = (),
 ) -> ServerSpec:
-    """The decode server of a scenario: the small pool, receive staging off.
+    """The decode server of a scenario: the small pool, receive staging off, `extra` flags.
 
     These scenarios check the hooks' own descriptors against sglang's;
     `test_staging_servers*.py` run decodes with their receive staging on.
     """
     return sglang_spec(
-        name, model, page_size, "decode", "--max-total-tokens", str(POOL_TOKENS),
+        name, model, page_size, "decode", "--max-total-tokens", str(POOL_TOKENS), *extra,
         env={**_batch_env(batch_pages), "GPU_PLANNER_RECEIVE_STAGING_BYTES": "0"},
         python_path=python_path,
     )  # fmt: skip

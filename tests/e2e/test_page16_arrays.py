@@ -14,6 +14,12 @@ planned as pages of 16 tokens on both sides). Its tokens must be the plain
 server's too, prefix-cache hits included, and the mapping control (test
 scaffolding: one chunk sent to the decode pages sglang's own chunking would
 address) must change them.
+
+The decode runs its radix cache (`--disaggregation-decode-enable-radix-cache`):
+its prefix hits are whole pages of 16, so toward the page-64 prefill they end
+inside a prefill page (96 tokens: a page and a half), whose held tokens the
+sends skip. The controls empty it first (`/flush_cache`), so a control's wrong
+KV serves no later request.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ import dataclasses
 from pathlib import Path
 
 import pytest
+import requests
 
 from bench.deployment import one_request
 from bench.servers.client import (
@@ -55,6 +62,7 @@ pytestmark = pytest.mark.e2e
 PAGE_SIZE = 16
 BATCH_PAGES = 4
 REPAGED_PAGE_SIZE = 64  # the third prefill's: the decode's is PAGE_SIZE
+DECODE_RADIX_CACHE = ("--disaggregation-decode-enable-radix-cache",)
 
 
 @dataclasses.dataclass
@@ -66,6 +74,11 @@ class Deployment:
     corrupt_flag: Path  # create it to corrupt the plugin prefill's next send
     mismap_flag: Path  # create it to mismap the page-64 prefill's next later chunk
     logs: Path
+
+    def flush_decode_cache(self) -> None:
+        """Empty the decode's radix cache: a control's wrong KV must not serve a later send."""
+        response = requests.post(self.decode.url + "/flush_cache", timeout=60)
+        assert response.status_code == 200, response.text
 
     def send(self, prefill: Server, prompts) -> list[Generation]:
         def one(ids):
@@ -81,7 +94,7 @@ def deployment(tiny_model, server_logs, tmp_path_factory, reference_tokens):
     control = tmp_path_factory.mktemp("control")
     flag, mismap_flag = control / "corrupt-next-send", control / "mismap-next-chunk"
     specs = [
-        decode_spec("p16-decode", tiny_model, PAGE_SIZE, BATCH_PAGES),
+        decode_spec("p16-decode", tiny_model, PAGE_SIZE, BATCH_PAGES, extra=DECODE_RADIX_CACHE),
         prefill_spec(
             "p16-prefill", tiny_model, PAGE_SIZE, BATCH_PAGES, {CORRUPT_FLAG_ENV: str(flag)}
         ),
@@ -146,9 +159,11 @@ def test_prefix_cache_hits(generations):
 def test_corrupted_transfer_changes_the_tokens(deployment, reference_tokens):
     """The control: one page of one send left out, other tokens; the next send is right again."""
     expected = reference_tokens[tuple(CONTROL_PROMPT)]
+    deployment.flush_decode_cache()  # the whole prompt goes, in several sends
     deployment.corrupt_flag.touch()
     [corrupted] = deployment.send(deployment.prefill, [CONTROL_PROMPT])
     assert not deployment.corrupt_flag.exists(), "the scaffolding did not take the flag"
+    deployment.flush_decode_cache()
     # The prefill computes the first token; decode reads the transferred KV from the second on.
     assert corrupted.output_ids[0] == expected[0]
     assert corrupted.output_ids[1:] != expected[1:]
@@ -169,7 +184,10 @@ def test_deployment_benchmark_measures_a_request_on_each_prefill(deployment):
 
 @pytest.fixture(scope="module")
 def repaged(deployment) -> list[Generation]:
-    """The mixed prompts through the page-64 prefill to the page-16 decode."""
+    """The mixed prompts through the page-64 prefill to the page-16 decode, whose radix cache
+    starts empty: their shared 96-token prefix hits it (6 decode pages, a prefill page and a
+    half), so those requests' sends start inside a prefill page."""
+    deployment.flush_decode_cache()
     return deployment.send(deployment.prefill_p64, MIXED_PROMPTS)
 
 
@@ -180,6 +198,10 @@ def test_page64_prefill_to_page16_decode_equals_a_plain_server(
     prefix-cache hits on the prefill included, every chunk planned by the plugin."""
     assert_same_tokens("page 64 -> 16", MIXED_PROMPTS, repaged, reference_tokens)
     assert_cache_hits(repaged)
+    # The decode's prefix hits (whole pages of 16) that end inside a prefill page of 64: those
+    # sends skip the tokens of that page the decode holds.
+    decode_hits = [generation.meta["cached_tokens"] for generation in repaged]
+    assert any(hit % REPAGED_PAGE_SIZE for hit in decode_hits), decode_hits
     record = deployment.logs / "p64-to-p16-metrics.json"
     assert_repaged_sends(deployment.prefill_p64.url, "arrays", record, MIXED_PROMPTS)
 
@@ -189,6 +211,7 @@ def test_a_wrong_page_mapping_changes_the_tokens(deployment, repaged, reference_
     sglang's own chunking would address, other tokens; the next send is right again."""
 
     def send(ids):
+        deployment.flush_decode_cache()  # each send whole: no KV of an earlier one is reused
         return deployment.send(deployment.prefill_p64, [ids])[0]
 
     assert_mismapped_then_right(send, deployment.mismap_flag, CONTROL_PROMPT, reference_tokens)

@@ -565,6 +565,28 @@ def test_a_unit_scatter_that_did_not_compile_lends_nothing_and_says_so(
     )
 
 
+@pytest.mark.parametrize(("prompt", "prefix"), [(80, 80), (64, 64), (90, 80)])
+def test_a_prompt_the_decodes_prefix_covers_moves_only_what_it_lacks(pairs, prompt, prefix):
+    """The decode's radix cache may hold a whole prompt (80 or 64 tokens: no page to send) or
+    all but a few tokens. sglang's prefill, told the prefix rounded down to its pages, still
+    sends the page holding its end: a chunk of held tokens moves nothing, and Success counts
+    with nothing, or only the tokens the decode lacks, declared. No byte of a held token is
+    written."""
+    pair = pairs(64, 16)
+    rng = np.random.default_rng(prompt + prefix)
+    held = prefix % 64
+    src_pages = shuffled_pages(rng, -(-(prompt - (prefix - held)) // 64), 64)
+    dst_pages = shuffled_pages(rng, -(-(prompt - prefix) // 16), 16)
+    info = pair.parse(24, pair.metadata(24, dst_pages, prefix=prefix))
+    sent = pair.send_chunks(info, src_pages.astype(np.int64), [0, len(src_pages)])
+    assert sent == [0] * (len(src_pages) > 0)  # 64 of 64: sglang's prefill sends no page
+    deliver_status(pair.prefill, pair.decode, 24, KV_POLL_SUCCESS)
+    assert pair.decode.request_status[24] == KV_POLL_SUCCESS, pair.decode.failure_records
+    np.testing.assert_array_equal(
+        pair.destination.tensor.numpy(), pair.expected_pool(src_pages, dst_pages, held=held)
+    )
+
+
 def test_a_prefix_not_of_whole_decode_pages_fails_the_request_before_any_byte(pairs):
     pair = pairs(64, 16)
     frames = pair.metadata(13, np.arange(4, dtype=np.int32), prefix=40)
