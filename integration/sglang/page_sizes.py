@@ -39,7 +39,8 @@ Prefill (`PrefillPageSizes`, one per process: sglang's parsers see no manager):
 
 What is not served keeps sglang's refusal: state laid out per page (SWA,
 DSA, block scales, ...), decode or prefill context parallelism, sglang's own
-staging, unified memory, the KV checksum, and HiSparse.
+staging, unified memory, the KV checksum, and DeepSeek-V4's HiSparse pool
+(compressed host rows in a page size of their own).
 """
 
 from __future__ import annotations
@@ -337,8 +338,14 @@ class RepagedMetadata:
     def unit_pages(self, pages: np.ndarray) -> np.ndarray:
         """`pages` (the request's, of either space) as pages of `unit` tokens, as the prefill's
         sends take them."""
-        tokens, geometry = len(pages) * self.page_size, PageGeometry(self.page_size)
-        return unit_pages(pages, geometry, self.unit, tokens, REPAGED_PAGES)
+        return request_unit_pages(pages, self.page_size, self.unit)
+
+
+def request_unit_pages(pages: np.ndarray, page_size: int, unit: int) -> np.ndarray:
+    """A repaged request's decode pages (of `page_size` tokens, every one sent from its first
+    token) as int64 pages of `unit` tokens: what both sides key a lent part by."""
+    tokens, geometry = len(pages) * page_size, PageGeometry(page_size)
+    return unit_pages(pages, geometry, unit, tokens, REPAGED_PAGES)
 
 
 def metadata_frames(original: Any, manager: Any, kwargs: dict) -> RepagedMetadata | None:
@@ -414,9 +421,7 @@ class RepagedRoute:
         if pages is None:
             decode_pages = self.decode_device_pages if device else self.decode_pages
             assert decode_pages is not None
-            tokens = len(decode_pages) * self.decode_page_size
-            geometry = PageGeometry(self.decode_page_size)
-            pages = unit_pages(decode_pages, geometry, unit, tokens, REPAGED_PAGES)
+            pages = request_unit_pages(decode_pages, self.decode_page_size, unit)
             if pages.base is not None:
                 pages = pages.copy()  # an array of its own, which a lent part is keyed by
             pages = self._unit_pages.setdefault((unit, device), pages)

@@ -193,21 +193,18 @@ def transfer_info_hook(original: Any, cls: Any, msg: Any, *args: Any, **kwargs: 
         reservation = None if region is None else Reservation.from_metadata(msg, region)
         if reservation is None or info.is_dummy:
             return info
+        pages, lent_page, virtual = info.dst_kv_indices, (1, 1), None
         if repaged is not None:
             unit = _lent_unit(repaged, reservation)
             pages = repaged.decode_unit_pages(unit)  # the pages the request's sends view
-        else:
-            pages = info.dst_kv_indices
+            lent_page, virtual = (unit, repaged.decode_page_size), info.dst_kv_indices
         if reservation.pages != len(pages):
             raise ValueError(f"{reservation.pages} pages lent for {len(pages)} pages")
         route = Route(
-            info.room, info.mooncake_session_id, info.endpoint, info.dst_port, region, reservation
-        )
-        if repaged is None:
-            ROUTES.lend(pages, route)
-        else:
-            route.lent_page = (unit, repaged.decode_page_size)
-            ROUTES.lend(pages, route, virtual=info.dst_kv_indices)
+            info.room, info.mooncake_session_id, info.endpoint, info.dst_port, region,
+            reservation, lent_page,
+        )  # fmt: skip
+        ROUTES.lend(pages, route, virtual)
     return info
 
 

@@ -200,13 +200,7 @@ def repaged_send(
     after_warmup = len(compiled)
     pair.register()  # the decode's registration, parsed by this prefill process
     after_registration = len(compiled)
-    rng = np.random.default_rng(prefill_page_size + decode_page_size)
-    src_pages = page_size_tests.shuffled_pages(
-        rng, -(-TOKENS // prefill_page_size), prefill_page_size
-    ).astype(np.int64)
-    dst_pages = page_size_tests.shuffled_pages(
-        rng, -(-TOKENS // decode_page_size), decode_page_size
-    )
+    src_pages, dst_pages = request_pages(prefill_page_size, decode_page_size)
     info = conn.TransferInfo.from_zmq(pair.metadata(ROOM, dst_pages))
     prefill.transfer_infos[ROOM] = {pair.session: info}
     gathers = len(launched["gather"])
@@ -291,13 +285,7 @@ def staged_repaged_send(
     after_registration = len(compiled_on)
     pair.keep_notes(pair.prefill)
     region = receive_staging.REGIONS.existing(pair.decode)
-    rng = np.random.default_rng(prefill_page_size + decode_page_size)
-    src_pages = page_size_tests.shuffled_pages(
-        rng, -(-TOKENS // prefill_page_size), prefill_page_size
-    ).astype(np.int64)
-    dst_pages = page_size_tests.shuffled_pages(
-        rng, -(-TOKENS // decode_page_size), decode_page_size
-    )
+    src_pages, dst_pages = request_pages(prefill_page_size, decode_page_size)
     expected = pair.expected_pool(src_pages, dst_pages)
 
     def request(room: int) -> dict:
@@ -335,6 +323,20 @@ def staged_repaged_send(
         },
         "new_in_second": compiled_on[scatter_compiled:],
     }
+
+
+def request_pages(prefill_page_size: int, decode_page_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """A request of TOKENS tokens: its fragmented prefill pages (int64) and decode pages."""
+    import test_page_sizes_mooncake as page_size_tests
+
+    rng = np.random.default_rng(prefill_page_size + decode_page_size)
+    src_pages = page_size_tests.shuffled_pages(
+        rng, -(-TOKENS // prefill_page_size), prefill_page_size
+    ).astype(np.int64)
+    dst_pages = page_size_tests.shuffled_pages(
+        rng, -(-TOKENS // decode_page_size), decode_page_size
+    )
+    return src_pages, dst_pages
 
 
 def thread_recorded(do_compile):
